@@ -1,0 +1,50 @@
+# The README's two commands: `make run` (set up + main job) and `make test` (set up + tests).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.snca-installed
+EPOCHS ?= 3
+OUT ?= runs/demo
+
+.PHONY: run test install data lint bench clean
+
+run: install data ## set up, then train the default Fashion-MNIST model and print its kNN accuracy
+	$(PY) -m training --dataset fashion-mnist --arch conv4 --loss nca --epochs $(EPOCHS) \
+		--out $(OUT) --overwrite
+
+test: install data ## set up, then lint and run the whole test suite
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[train,dev]'
+	touch $@
+
+# Fashion-MNIST from Debian's dataset-fashion-mnist where apt exists; otherwise the loader
+# falls back to torchvision's download on first use.
+data:
+	@if ls /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte* >/dev/null 2>&1; then \
+		echo "Fashion-MNIST: /usr/share/datasets/fashion-mnist"; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo "sudo -n"); \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$$SUDO apt-get install -y -q dataset-fashion-mnist \
+		|| { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q dataset-fashion-mnist; } \
+		|| echo "apt-get failed: Fashion-MNIST will be downloaded by torchvision"; \
+	else \
+		echo "no apt-get: Fashion-MNIST will be downloaded by torchvision on first use"; \
+	fi
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: install ## benchmarks/train_step.py (results go in docs/PERFORMANCE.md)
+	$(PY) benchmarks/train_step.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

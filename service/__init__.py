@@ -1,0 +1,1 @@
+"""FastAPI service (not implemented yet; see the service issue)."""
