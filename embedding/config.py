@@ -1,0 +1,82 @@
+"""ModelConfig: everything needed to rebuild a model and its preprocessing from the model card.
+
+Preprocessing travels with the checkpoint (timm / nanoGPT style), so training, the index
+builder and the service cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ArtifactError
+
+ARCHS = ("conv4", "resnet18", "resnet34", "resnet50")
+MODEL_FORMAT_VERSION = 1
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "conv4"
+    in_channels: int = 1
+    image_size: int = 28
+    mean: tuple[float, ...] = (0.2860,)
+    std: tuple[float, ...] = (0.3530,)
+    embedding_dim: int = 128
+    temperature: float = 0.05  # σ of eqs. 2-4 and of the weighted kNN vote
+    class_names: list[str] = field(default_factory=list)
+    # ResNets only: 3x3 stride-1 first conv and no max-pool, for 28-64 px images.
+    small_stem: bool = True
+
+    def __post_init__(self) -> None:
+        self.mean = tuple(float(m) for m in self.mean)
+        self.std = tuple(float(s) for s in self.std)
+        self.class_names = [str(c) for c in self.class_names]
+        self.validate()
+
+    def validate(self) -> None:
+        problems = []
+        if self.arch not in ARCHS:
+            problems.append(f"arch {self.arch!r} is not one of {', '.join(ARCHS)}")
+        if not isinstance(self.in_channels, int) or self.in_channels < 1:
+            problems.append(f"in_channels must be a positive integer, got {self.in_channels!r}")
+        if not isinstance(self.image_size, int) or self.image_size < 8:
+            problems.append(f"image_size must be an integer >= 8, got {self.image_size!r}")
+        if len(self.mean) != self.in_channels or len(self.std) != self.in_channels:
+            problems.append(
+                f"mean/std need one value per input channel ({self.in_channels}), "
+                f"got {len(self.mean)}/{len(self.std)}"
+            )
+        if any(not math.isfinite(s) or s <= 0 for s in self.std):
+            problems.append(f"std values must be positive, got {self.std}")
+        if not isinstance(self.embedding_dim, int) or self.embedding_dim < 2:
+            problems.append(f"embedding_dim must be an integer >= 2, got {self.embedding_dim!r}")
+        if not (isinstance(self.temperature, (int, float)) and 0 < self.temperature <= 10):
+            problems.append(f"temperature must be in (0, 10], got {self.temperature!r}")
+        if problems:
+            raise ArtifactError("invalid model config: " + "; ".join(problems))
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["mean"] = list(self.mean)
+        d["std"] = list(self.std)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        if not isinstance(d, dict):
+            raise ArtifactError(f"model config must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ArtifactError(f"model config has unknown keys: {', '.join(unknown)}")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ArtifactError(f"invalid model config: {e}") from None
