@@ -1,0 +1,1 @@
+"""Training stage: datasets, memory bank, NCA loss, softmax baseline, train loop, DDP."""

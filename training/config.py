@@ -1,0 +1,158 @@
+"""TrainConfig: every knob of a training run. Saved resolved into the run dir (config.json)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from embedding.config import ARCHS
+from embedding.errors import SNCAError
+
+from .datasets import DATASETS
+from .memory import MOMENTUM_SCHEDULES
+
+LOSSES = ("nca", "softmax")
+LR_SCHEDULES = ("step", "cosine")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    # data
+    dataset: str = "fashion-mnist"
+    data_dir: str | None = None
+    classes: str | None = None  # "0,1,3" or class names: train on a subset of classes
+    coarse: bool = (
+        False  # train on the coarse grouping (Fashion-MNIST groups, CIFAR-100 superclasses)
+    )
+    subset: int | None = None  # stratified subset of the training split (before the val split)
+    val_size: float = 5000  # validation carved from training data: a count >= 1 or a fraction < 1
+    image_size: int | None = None  # ImageFolder only (default 64)
+    in_channels: int | None = None  # ImageFolder only (default 3)
+    augment: bool = True
+    # model
+    arch: str = "conv4"
+    small_stem: bool = True
+    embedding_dim: int = 128
+    temperature: float = 0.05
+    # objective
+    loss: str = "nca"
+    memory_momentum_start: float = 0.5
+    memory_momentum_end: float = 0.9
+    memory_momentum_schedule: str = "linear"
+    # optimisation (paper: SGD nesterov momentum 0.9, lr 0.1 stepped x0.1)
+    epochs: int = 10
+    batch_size: int = 128
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float | None = None  # default: 5e-4 for images <= 64 px, else 1e-4
+    lr_schedule: str = "step"
+    lr_steps: list[float] = field(default_factory=lambda: [0.5, 0.75])  # fractions of the run
+    lr_gamma: float = 0.1
+    warmup_epochs: float = 0.0
+    # evaluation
+    knn_k: list[int] = field(default_factory=lambda: [1, 30])
+    eval_every: int = 1
+    # runtime
+    device: str = "auto"
+    amp: bool = True  # on CUDA only: bf16 autocast where supported, else fp16 + GradScaler
+    sync_bn: bool = False  # CUDA + several GPUs: SyncBatchNorm
+    num_workers: int = 0
+    seed: int = 0
+    progress: bool = True
+    out: str = "runs/demo"
+
+    def validate(self) -> None:
+        p = []
+        if self.dataset not in DATASETS:
+            p.append(f"unknown dataset {self.dataset!r} (choose from {', '.join(DATASETS)})")
+        if self.arch not in ARCHS:
+            p.append(f"unknown arch {self.arch!r} (choose from {', '.join(ARCHS)})")
+        if self.loss not in LOSSES:
+            p.append(f"unknown loss {self.loss!r} (choose from {', '.join(LOSSES)})")
+        if self.lr_schedule not in LR_SCHEDULES:
+            p.append(
+                f"unknown lr schedule {self.lr_schedule!r} (choose from {', '.join(LR_SCHEDULES)})"
+            )
+        if self.memory_momentum_schedule not in MOMENTUM_SCHEDULES:
+            p.append(
+                f"unknown memory momentum schedule {self.memory_momentum_schedule!r} "
+                f"(choose from {', '.join(MOMENTUM_SCHEDULES)})"
+            )
+        if self.device not in DEVICES:
+            p.append(f"unknown device {self.device!r} (choose from {', '.join(DEVICES)})")
+        for name in ("epochs", "batch_size", "embedding_dim", "eval_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                p.append(f"{name} must be a positive integer, got {v!r}")
+        if isinstance(self.batch_size, int) and self.batch_size < 2:
+            p.append("batch_size must be at least 2")
+        if not 0 < self.temperature <= 10:
+            p.append(f"temperature must be in (0, 10], got {self.temperature}")
+        if not self.lr > 0:
+            p.append(f"lr must be positive, got {self.lr}")
+        if self.weight_decay is not None and self.weight_decay < 0:
+            p.append(f"weight_decay must be >= 0, got {self.weight_decay}")
+        for v in (self.memory_momentum_start, self.memory_momentum_end):
+            if not 0 <= v < 1:
+                p.append(f"memory momentum must be in [0, 1), got {v}")
+        if self.val_size < 0:
+            p.append(f"val_size must be >= 0, got {self.val_size}")
+        if self.subset is not None and self.subset < 2:
+            p.append(f"subset must be at least 2, got {self.subset}")
+        if not self.knn_k or any(not isinstance(k, int) or k < 1 for k in self.knn_k):
+            p.append(f"knn_k must be positive integers, got {self.knn_k}")
+        if any(not 0 < s < 1 for s in self.lr_steps):
+            p.append(f"lr_steps are fractions of the run in (0, 1), got {self.lr_steps}")
+        if self.warmup_epochs < 0:
+            p.append("warmup_epochs must be >= 0")
+        if self.num_workers < 0:
+            p.append("num_workers must be >= 0")
+        if self.dataset != "imagefolder" and (self.image_size or self.in_channels):
+            p.append("--image-size/--in-channels apply to --dataset imagefolder only")
+        if p:
+            raise SNCAError("invalid training config: " + "; ".join(p))
+
+    def resolved_weight_decay(self, image_size: int) -> float:
+        if self.weight_decay is not None:
+            return self.weight_decay
+        return 5e-4 if image_size <= 64 else 1e-4
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def fields(cls) -> dict[str, dataclasses.Field]:
+        return {f.name: f for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> TrainConfig:
+        known = cls.fields()
+        norm = {str(k).replace("-", "_"): v for k, v in d.items()}
+        unknown = sorted(set(norm) - set(known))
+        if unknown:
+            raise SNCAError(f"{source}: unknown keys {', '.join(unknown)}")
+        try:
+            return cls(**norm)
+        except TypeError as e:
+            raise SNCAError(f"{source}: {e}") from None
+
+
+def load_yaml_config(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SNCAError(f"config file {path} does not exist") from None
+    except (OSError, yaml.YAMLError) as e:
+        raise SNCAError(f"cannot read config file {path}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SNCAError(f"config file {path} must hold a mapping of option: value")
+    TrainConfig.from_dict(data, source=str(path))  # reject unknown keys early
+    return {str(k).replace("-", "_"): v for k, v in data.items()}

@@ -1,0 +1,77 @@
+"""The run dir appears complete or not at all.
+
+A run trains in `<out>.partial/` (checkpoints, metrics) and is renamed to `<out>` only when
+every artifact is written and fsynced. An interrupted run leaves `<out>.partial/` for --resume.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from embedding.artifacts import fsync_dir
+from embedding.errors import SNCAError
+
+CHECKPOINT_STATE = "checkpoint.json"
+
+
+def staging_path(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def _non_empty(p: Path) -> bool:
+    return p.exists() and (not p.is_dir() or any(p.iterdir()))
+
+
+def prepare(out: Path, resume: bool, overwrite: bool) -> tuple[Path, bool]:
+    """Return (staging dir, resuming?) after checking what already exists."""
+    stage = staging_path(out)
+    if out.exists() and not out.is_dir():
+        raise SNCAError(f"--out {out} exists and is not a directory")
+    if resume and overwrite:
+        raise SNCAError("--resume and --overwrite contradict each other; pass one")
+    if resume:
+        if (stage / CHECKPOINT_STATE).is_file():
+            return stage, True
+        if (out / CHECKPOINT_STATE).is_file():
+            # Extending a finished run: continue in a copy, swap in when done.
+            if stage.exists():
+                shutil.rmtree(stage)
+            shutil.copytree(out, stage)
+            return stage, True
+        raise SNCAError(f"--resume: no checkpoint in {stage} or {out}; nothing to resume")
+    if _non_empty(stage) and not overwrite:
+        raise SNCAError(
+            f"an interrupted run is in {stage}; pass --resume to continue it or --overwrite to "
+            "start over"
+        )
+    if _non_empty(out) and not overwrite:
+        raise SNCAError(
+            f"--out {out} exists and is not empty; pass --resume to continue or extend it, or "
+            "--overwrite to replace it (the old run stays until the new one completes)"
+        )
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True)
+    return stage, False
+
+
+def finalize(stage: Path, out: Path) -> None:
+    """fsync everything in `stage`, then swap it into place as `out`."""
+    for f in stage.iterdir():
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(stage)
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(stage, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

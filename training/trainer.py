@@ -1,0 +1,564 @@
+"""The training loop: NCA over the memory bank, or the softmax baseline trained the same way.
+
+Both objectives share data, augmentation, backbone, 128-d embedding layer, optimiser and budget;
+both keep a memory bank (eq. 11), which the softmax run uses only for kNN evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from embedding.artifacts import (
+    atomic_write_bytes,
+    atomic_write_json,
+    read_json,
+    read_safetensors,
+    save_memory_bank,
+    save_model,
+    write_safetensors,
+)
+from embedding.config import ModelConfig
+from embedding.errors import SNCAError
+from embedding.inference import autocast_context, embed_batches
+from embedding.knn import knn_evaluate
+from embedding.model import EmbeddingNet
+from embedding.transforms import eval_transform, train_transform
+
+from . import rundir
+from .config import TrainConfig
+from .datasets import (
+    STATS,
+    FileSource,
+    IndexedDataset,
+    Split,
+    carve,
+    load_raw,
+    parse_classes,
+    select,
+    verify_images,
+)
+from .distributed import DistEnv, GlobalBatchSampler
+from .memory import MemoryBank, MomentumSchedule
+
+CHECKPOINT_TENSORS = "checkpoint.safetensors"
+
+
+# ---------------------------------------------------------------------------- data
+@dataclass
+class Data:
+    train: Split
+    val: Split | None
+    model_cfg: ModelConfig
+
+
+def build_data(cfg: TrainConfig, dist: DistEnv | None = None) -> Data:
+    raw = load_raw(cfg.dataset, "train", cfg.data_dir, cfg.image_size, cfg.in_channels)
+    classes = parse_classes(cfg.classes, raw.class_names)
+    split = select(raw, classes, cfg.coarse)
+    train, val = carve(split, cfg.val_size, cfg.subset, cfg.seed)
+    if isinstance(raw.source, FileSource) and (dist is None or dist.is_main):
+        keep = train.positions if val is None else np.concatenate([train.positions, val.positions])
+        verify_images(raw.source, keep, progress=cfg.progress)
+    mean, std = STATS[cfg.dataset]
+    if raw.in_channels != len(mean):  # e.g. greyscale ImageFolder: average the RGB stats
+        mean, std = (
+            (float(np.mean(mean)),) * raw.in_channels,
+            (float(np.mean(std)),) * raw.in_channels,
+        )
+    model_cfg = ModelConfig(
+        arch=cfg.arch,
+        in_channels=raw.in_channels,
+        image_size=raw.image_size,
+        mean=mean,
+        std=std,
+        embedding_dim=cfg.embedding_dim,
+        temperature=cfg.temperature,
+        class_names=train.class_names,
+        small_stem=cfg.small_stem,
+    )
+    return Data(train, val, model_cfg)
+
+
+def eval_loader(split: Split, model_cfg: ModelConfig, batch_size: int, num_workers: int, pin: bool):
+    ds = IndexedDataset(split, eval_transform(model_cfg))
+    return DataLoader(
+        ds, batch_size=batch_size, shuffle=False, num_workers=num_workers, pin_memory=pin
+    )
+
+
+# ---------------------------------------------------------------------------- model
+class TrainModule(nn.Module):
+    """EmbeddingNet (+ a linear classifier on the 128-d projection for the softmax baseline).
+
+    forward -> (unit-norm embeddings (B, d) float32, class logits (B, C) or None)."""
+
+    def __init__(self, model_cfg: ModelConfig, softmax: bool):
+        super().__init__()
+        self.net = EmbeddingNet(model_cfg)
+        self.head = nn.Linear(model_cfg.embedding_dim, model_cfg.num_classes) if softmax else None
+
+    def forward(self, x: torch.Tensor):
+        z = self.net.project(x)  # (B, d) unnormalised
+        emb = F.normalize(z.float(), dim=1)  # v = normalize(W·backbone(x))
+        return emb, (self.head(z) if self.head is not None else None)
+
+
+def lr_at(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
+    """Learning rate for a global step: linear warm-up, then step (x gamma at each fraction of
+    the run in lr_steps) or cosine decay."""
+    total = cfg.epochs * steps_per_epoch
+    warm = int(cfg.warmup_epochs * steps_per_epoch)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    if cfg.lr_schedule == "cosine":
+        t = (step - warm) / max(total - warm, 1)
+        return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
+    passed = sum(step >= round(f * total) for f in cfg.lr_steps)
+    return cfg.lr * cfg.lr_gamma**passed
+
+
+# ---------------------------------------------------------------------------- one step
+@dataclass
+class StepResult:
+    loss: float
+    skipped: int = 0
+    correct: int = 0
+
+
+def train_step(
+    module: nn.Module,
+    bank: MemoryBank,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    loss_kind: str,
+    temperature: float,
+    memory_momentum: float,
+    dist: DistEnv,
+    scaler: torch.amp.GradScaler | None = None,
+    amp: bool = False,
+) -> StepResult:
+    """Forward, loss, backward, SGD step, then eq. 11 on the memory with the global batch.
+
+    `module` is a TrainModule, possibly wrapped in DDP; x (B, C, H, W), y (B,), slots (B,)
+    on the bank's device.
+    """
+    with autocast_context(x.device, amp):
+        emb, logits = module(x)
+    if loss_kind == "nca":
+        out = bank.loss(emb, slots, y, temperature)  # eqs. 2-4, float32
+        loss, skipped, correct = out.loss, out.num_skipped, 0
+    else:
+        loss = F.cross_entropy(logits.float(), y)
+        skipped, correct = 0, int((logits.argmax(1) == y).sum())
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+    # Every rank applies the same update with the same (all-gathered) global batch.
+    bank.update(dist.all_gather(slots), dist.all_gather(emb.detach()), memory_momentum)
+    return StepResult(float(loss.detach()), skipped, correct)
+
+
+# ---------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate(
+    net: EmbeddingNet,
+    head: nn.Module | None,
+    bank: MemoryBank,
+    data: Data,
+    cfg: TrainConfig,
+    device: torch.device,
+    recompute: bool = False,
+) -> dict[str, float]:
+    """Validation kNN (weighted vote, σ) against the memory bank (the paper's protocol) and,
+    with `recompute`, against the training images re-embedded with the eval transform."""
+    if data.val is None:
+        return {}
+    pin = device.type == "cuda"
+    loader = eval_loader(data.val, data.model_cfg, 512, cfg.num_workers, pin)
+    was_training = net.training
+    net.eval()
+    embs, logits = [], []
+    for x, _, _ in loader:
+        with autocast_context(device, cfg.amp):
+            z = net.project(x.to(device, non_blocking=True))  # (b, d)
+            if head is not None:
+                logits.append(head(z).float())
+        embs.append(F.normalize(z.float(), dim=1))
+    net.train(was_training)
+    val_emb = torch.cat(embs)
+    val_y = torch.from_numpy(data.val.labels).to(device)
+    c, t, ks = data.model_cfg.num_classes, data.model_cfg.temperature, tuple(cfg.knn_k)
+    knn = knn_evaluate(val_emb, val_y, bank.embeddings, bank.labels, c, t, ks)
+    res = {f"val_{k}": v for k, v in knn.items()}
+    if logits:
+        res["val_softmax_top1"] = (
+            100.0 * (torch.cat(logits).argmax(1) == val_y).float().mean().item()
+        )
+    if recompute:
+        tr_loader = eval_loader(data.train, data.model_cfg, 512, cfg.num_workers, pin)
+        gallery = embed_batches(net, tr_loader, device, cfg.amp)
+        rec = knn_evaluate(val_emb, val_y, gallery, bank.labels, c, t, ks)
+        res.update({f"val_recompute_{k}": v for k, v in rec.items()})
+    return res
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = opt.state_dict()
+    tensors = {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"optim.{pid}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def save_checkpoint(
+    stage: Path, module: TrainModule, bank: MemoryBank, opt, scaler, state: dict
+) -> None:
+    tensors = {f"module.{k}": v for k, v in module.state_dict().items()}
+    tensors.update({f"bank.{k}": v for k, v in bank.state_dict().items()})
+    opt_t, opt_meta = _optimizer_tensors(opt)
+    tensors.update(opt_t)
+    tensors["rng.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available() and any(p.is_cuda for p in module.parameters()):
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    write_safetensors(stage / CHECKPOINT_TENSORS, tensors)
+    state = dict(state, optimizer=opt_meta, scaler=scaler.state_dict() if scaler else None)
+    atomic_write_json(stage / rundir.CHECKPOINT_STATE, state)
+
+
+def load_checkpoint(stage: Path, module: TrainModule, bank: MemoryBank, opt, scaler) -> dict:
+    state = read_json(stage / rundir.CHECKPOINT_STATE)
+    tensors, _ = read_safetensors(stage / CHECKPOINT_TENSORS)
+    dev = next(module.parameters()).device
+    try:
+        module.load_state_dict({k[7:]: v for k, v in tensors.items() if k.startswith("module.")})
+        bank.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("bank.")})
+    except RuntimeError as e:
+        raise SNCAError(f"checkpoint in {stage} does not fit this configuration: {e}") from None
+    opt_state: dict[int, dict] = {}
+    for k, v in tensors.items():
+        if k.startswith("optim."):
+            _, pid, name = k.split(".", 2)
+            opt_state.setdefault(int(pid), {})[name] = v.to(dev)
+    opt.load_state_dict({"state": opt_state, "param_groups": state["optimizer"]["param_groups"]})
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(tensors["rng.cpu"])
+    if "rng.cuda" in tensors and dev.type == "cuda":
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    return state
+
+
+# ---------------------------------------------------------------------------- curves
+def write_curves(path: Path, metrics: list[dict], title: str) -> None:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ep = [m["epoch"] for m in metrics]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(ep, [m["train_loss"] for m in metrics], marker="o")
+    axes[0].set(title="training loss", xlabel="epoch")
+    for key in sorted({k for m in metrics for k in m if k.startswith("val_") and "top1" in k}):
+        axes[1].plot(ep, [m.get(key, float("nan")) for m in metrics], marker="o", label=key[4:])
+    axes[1].set(title="validation top-1 (%)", xlabel="epoch")
+    axes[1].legend(fontsize=8)
+    axes[2].plot(ep, [m["lr"] for m in metrics], marker="o", label="lr")
+    axes[2].plot(ep, [m["memory_momentum"] for m in metrics], marker="o", label="memory momentum")
+    axes[2].set(title="schedules", xlabel="epoch")
+    axes[2].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def hardware() -> dict[str, str]:
+    info = {
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+# ---------------------------------------------------------------------------- the run
+@dataclass
+class RunResult:
+    out: Path
+    metrics: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SNCAError("--device cuda: no CUDA device is available (use --device auto or cpu)")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def train(
+    cfg: TrainConfig, dist: DistEnv, device: torch.device, resume: bool, overwrite: bool, log=None
+) -> RunResult:
+    from tqdm import tqdm
+
+    if log is None:
+
+        def log(msg: str) -> None:
+            print(msg, flush=True)
+
+    cfg.validate()
+    out = Path(cfg.out)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+    # Run dir: rank 0 decides, everyone follows.
+    stage, resuming = None, False
+    if dist.is_main:
+        stage, resuming = rundir.prepare(out, resume, overwrite)
+    stage, resuming = dist.broadcast_object((stage, resuming))
+
+    data = build_data(cfg, dist)
+    n_train = len(data.train)
+    try:
+        sampler = GlobalBatchSampler(n_train, cfg.batch_size, dist.rank, dist.world_size, cfg.seed)
+    except ValueError as e:
+        raise SNCAError(f"{e}; lower --batch-size") from None
+    pin = device.type == "cuda"
+    tf = train_transform(data.model_cfg) if cfg.augment else eval_transform(data.model_cfg)
+    loader = DataLoader(
+        IndexedDataset(data.train, tf),
+        batch_sampler=sampler,
+        num_workers=cfg.num_workers,
+        pin_memory=pin,
+        persistent_workers=cfg.num_workers > 0,
+    )
+
+    module = TrainModule(data.model_cfg, softmax=cfg.loss == "softmax").to(device)
+    if cfg.sync_bn and dist.enabled and device.type == "cuda":
+        module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    bank = MemoryBank(
+        torch.from_numpy(data.train.labels),
+        cfg.embedding_dim,
+        indices=torch.from_numpy(data.train.positions),
+        num_classes=data.model_cfg.num_classes,
+        generator=gen,
+    ).to(device)
+    wd = cfg.resolved_weight_decay(data.model_cfg.image_size)
+    opt = torch.optim.SGD(
+        module.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True, weight_decay=wd
+    )
+    amp = cfg.amp and device.type == "cuda"
+    use_scaler = amp and not torch.cuda.is_bf16_supported()
+    scaler = torch.amp.GradScaler("cuda") if use_scaler else None
+    mom = MomentumSchedule(
+        cfg.memory_momentum_start, cfg.memory_momentum_end, cfg.memory_momentum_schedule
+    )
+
+    metrics: list[dict] = []
+    start_epoch, wall_before = 0, 0.0
+    if resuming:
+        state = load_checkpoint(stage, module, bank, opt, scaler)
+        start_epoch = state["epoch"]
+        metrics = state["metrics"]
+        wall_before = state.get("wall_seconds", 0.0)
+        if start_epoch >= cfg.epochs:
+            raise SNCAError(
+                f"the run in {stage} already has {start_epoch} epochs; pass --epochs > "
+                f"{start_epoch} to extend it"
+            )
+    ddp = module
+    if dist.enabled:
+        ddp = nn.parallel.DistributedDataParallel(
+            module, device_ids=[device.index] if device.type == "cuda" else None
+        )
+
+    if dist.is_main:
+        resolved = dict(
+            cfg.to_dict(),
+            resolved_weight_decay=wd,
+            world_size=dist.world_size,
+            train_images=n_train,
+            val_images=len(data.val) if data.val else 0,
+            class_names=data.model_cfg.class_names,
+            device=str(device),
+        )
+        atomic_write_json(stage / "config.json", resolved)
+        log(
+            f"training {cfg.loss} / {cfg.arch} on {cfg.dataset}: {n_train} train, "
+            f"{len(data.val) if data.val else 0} val images, {data.model_cfg.num_classes} "
+            f"classes, {len(sampler)} steps/epoch x {cfg.epochs} epochs on {device}"
+            + (f" x {dist.world_size} processes" if dist.enabled else "")
+        )
+
+    steps_per_epoch = len(sampler)
+    t_run = time.perf_counter()
+    for epoch in range(start_epoch, cfg.epochs):
+        t0 = time.perf_counter()
+        module.train()
+        sampler.set_epoch(epoch)
+        m = mom(epoch, cfg.epochs)
+        tot_loss, tot_skip, tot_correct, seen = 0.0, 0, 0, 0
+        bar = tqdm(
+            loader,
+            desc=f"epoch {epoch + 1}/{cfg.epochs}",
+            disable=None if (cfg.progress and dist.is_main) else True,
+            leave=False,
+            dynamic_ncols=True,
+        )
+        for i, (x, y, slots) in enumerate(bar):
+            step = epoch * steps_per_epoch + i
+            lr = lr_at(cfg, step, steps_per_epoch)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
+            slots = slots.to(device, non_blocking=True)
+            r = train_step(
+                ddp,
+                bank,
+                opt,
+                x,
+                y,
+                slots,
+                loss_kind=cfg.loss,
+                temperature=cfg.temperature,
+                memory_momentum=m,
+                dist=dist,
+                scaler=scaler,
+                amp=amp,
+            )
+            if not math.isfinite(r.loss):
+                raise SNCAError(
+                    f"training diverged at epoch {epoch + 1}, step {i + 1}: loss is {r.loss} "
+                    f"(σ = {cfg.temperature}, lr = {lr:g}); try a larger --temperature or lower --lr"
+                )
+            tot_loss += r.loss * x.shape[0]
+            tot_skip += r.skipped
+            tot_correct += r.correct
+            seen += x.shape[0]
+            bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{lr:.3g}")
+        bar.close()
+        # Statistics of the whole global batch, the same on every rank.
+        stats = dist.all_reduce_sum(
+            torch.tensor(
+                [tot_loss, tot_skip, tot_correct, seen], dtype=torch.float64, device=device
+            )
+        )
+        tot_loss, tot_skip, tot_correct, seen = stats.tolist()
+        train_time = time.perf_counter() - t0
+        rec = {
+            "epoch": epoch + 1,
+            "lr": lr_at(cfg, (epoch + 1) * steps_per_epoch - 1, steps_per_epoch),
+            "memory_momentum": m,
+            "train_loss": tot_loss / max(seen, 1),
+            "train_images_per_s": seen / train_time,
+            "train_seconds": train_time,
+        }
+        if cfg.loss == "nca":
+            rec["nca_skipped"] = int(tot_skip)
+        else:
+            rec["train_softmax_top1"] = 100.0 * tot_correct / max(seen, 1)
+        if dist.is_main:
+            last = epoch + 1 == cfg.epochs
+            if (epoch + 1) % cfg.eval_every == 0 or last:
+                rec.update(evaluate(module.net, module.head, bank, data, cfg, device))
+            rec["epoch_seconds"] = time.perf_counter() - t0
+            metrics.append(rec)
+            wall = wall_before + time.perf_counter() - t_run
+            atomic_write_bytes(
+                stage / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in metrics).encode()
+            )
+            save_checkpoint(
+                stage,
+                module,
+                bank,
+                opt,
+                scaler,
+                {"epoch": epoch + 1, "metrics": metrics, "wall_seconds": wall},
+            )
+            write_curves(stage / "curves.png", metrics, f"{cfg.loss} / {cfg.arch} / {cfg.dataset}")
+            knn = ", ".join(
+                f"kNN k={k} {rec[f'val_knn_top1@{k}']:.2f}%"
+                for k in cfg.knn_k
+                if f"val_knn_top1@{k}" in rec
+            )
+            extra = f", softmax {rec['val_softmax_top1']:.2f}%" if "val_softmax_top1" in rec else ""
+            log(
+                f"epoch {epoch + 1}/{cfg.epochs}: loss {rec['train_loss']:.4f}, val {knn}{extra} "
+                f"({rec['epoch_seconds']:.0f}s)"
+            )
+        dist.barrier()
+
+    result = RunResult(out=out, metrics=metrics)
+    if dist.is_main:
+        final = evaluate(module.net, module.head, bank, data, cfg, device, recompute=True)
+        fp = save_model(module.net, stage)
+        extra = {}
+        if data.train.fine_labels is not None:
+            extra["fine_labels"] = torch.from_numpy(data.train.fine_labels)
+        save_memory_bank(
+            stage / "memory.safetensors", bank.embeddings, bank.labels, bank.indices, fp, extra
+        )
+        if module.head is not None:
+            write_safetensors(
+                stage / "classifier.safetensors",
+                {k: v for k, v in module.head.state_dict().items()},
+                {"model_fingerprint": fp},
+            )
+        best = (
+            max(metrics, key=lambda r: r.get(f"val_knn_top1@{max(cfg.knn_k)}", -1))
+            if metrics
+            else {}
+        )
+        summary = {
+            "final": final,
+            "best_epoch": best.get("epoch"),
+            "best": {k: v for k, v in best.items() if k.startswith("val_")},
+            "epochs": cfg.epochs,
+            "wall_seconds": wall_before + time.perf_counter() - t_run,
+            "model_fingerprint": fp,
+            "fine_class_names": data.train.fine_class_names,
+            "hardware": hardware(),
+            "protocol": "val = stratified split carved from the training set; 'val_knn_*' "
+            "votes over the memory bank, 'val_recompute_knn_*' over re-embedded "
+            "training images (eval transform)",
+        }
+        atomic_write_json(stage / "summary.json", summary)
+        rundir.finalize(stage, out)
+        result.summary = summary
+    dist.barrier()
+    return result
