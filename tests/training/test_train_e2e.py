@@ -1,0 +1,227 @@
+"""Real training runs on Fashion-MNIST subsets through the CLI."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from embedding import EmbeddingNet, load_memory_bank, load_model
+from embedding.inference import embed_batches
+from embedding.knn import knn_evaluate
+from tests.conftest import run_cli
+from training.config import TrainConfig
+from training.trainer import build_data, eval_loader
+
+# ~60 s on 2 cores: 9,000 training images, 8 epochs, cosine lr.
+SHORT = dict(subset=10000, val_size=1000, epochs=8, seed=0, lr_schedule="cosine")
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "nca"
+    args = [a for k, v in SHORT.items() for a in (f"--{k.replace('_', '-')}", v)]
+    p = run_cli("training", *args, "--out", out, "--no-progress")
+    assert p.returncode == 0, p.stderr
+    return out, p.stdout
+
+
+def _pixels(split):
+    x = split.raw.source.images[torch.from_numpy(split.positions)].float().flatten(1)  # (n, 784)
+    return F.normalize(x - x.mean(dim=1, keepdim=True), dim=1)
+
+
+@pytest.mark.slow
+def test_short_run_beats_untrained_net_and_raw_pixels(short_run):
+    out, stdout = short_run
+    assert "validation kNN top-1" in stdout
+    summary = json.loads((out / "summary.json").read_text())
+    trained_mem = summary["final"]["val_knn_top1@30"]
+    trained_rec = summary["final"]["val_recompute_knn_top1@30"]
+
+    data = build_data(TrainConfig(**SHORT))
+    cfg = data.model_cfg
+    val_y = torch.from_numpy(data.val.labels)
+    tr_y = torch.from_numpy(data.train.labels)
+    torch.manual_seed(123)
+    untrained = EmbeddingNet(cfg)
+    ve = embed_batches(untrained, eval_loader(data.val, cfg, 512, 0, False), torch.device("cpu"))
+    te = embed_batches(untrained, eval_loader(data.train, cfg, 512, 0, False), torch.device("cpu"))
+    base = knn_evaluate(ve, val_y, te, tr_y, 10, cfg.temperature, (30,))["knn_top1@30"]
+    pix = knn_evaluate(
+        _pixels(data.val), val_y, _pixels(data.train), tr_y, 10, cfg.temperature, (1, 30)
+    )
+    pixel_best = max(pix["knn_top1@1"], pix["knn_top1@30"])
+    print(
+        f"untrained {base:.2f}  raw pixels {pixel_best:.2f}  trained memory {trained_mem:.2f} "
+        f"re-embedded {trained_rec:.2f}"
+    )
+    assert trained_rec > base + 5
+    assert trained_mem > base
+    assert trained_rec > pixel_best + 2
+
+
+@pytest.mark.slow
+def test_run_dir_is_complete_and_round_trips(short_run):
+    out, _ = short_run
+    names = {p.name for p in out.iterdir()}
+    assert {
+        "model.json",
+        "model.safetensors",
+        "memory.safetensors",
+        "config.json",
+        "metrics.jsonl",
+        "curves.png",
+        "summary.json",
+        "checkpoint.json",
+    } <= names
+    assert not out.with_name(out.name + ".partial").exists()
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == list(range(1, SHORT["epochs"] + 1))
+    assert metrics[0]["memory_momentum"] == 0.5 and metrics[-1]["memory_momentum"] == 0.9
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    config = json.loads((out / "config.json").read_text())
+    assert config["train_images"] == 9000 and config["val_images"] == 1000
+
+    # Load model card + weights + memory bank, embed the validation images again:
+    # the same kNN accuracy as the run reported.
+    model = load_model(out)
+    bank, meta = load_memory_bank(out / "memory.safetensors")
+    assert meta["model_fingerprint"] == model.fingerprint
+    assert bank["embeddings"].shape == (9000, 128)
+    torch.testing.assert_close(bank["embeddings"].norm(dim=1), torch.ones(9000))
+    data = build_data(TrainConfig(**SHORT))
+    assert np.array_equal(bank["indices"].numpy(), data.train.positions)
+    ve = embed_batches(
+        model, eval_loader(data.val, model.config, 256, 0, False), torch.device("cpu")
+    )
+    res = knn_evaluate(
+        ve,
+        torch.from_numpy(data.val.labels),
+        bank["embeddings"],
+        bank["labels"],
+        model.config.num_classes,
+        model.config.temperature,
+        (30,),
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert res["knn_top1@30"] == pytest.approx(summary["final"]["val_knn_top1@30"], abs=1e-6)
+
+
+RESUME = [
+    "--subset",
+    "1500",
+    "--val-size",
+    "300",
+    "--epochs",
+    "3",
+    "--batch-size",
+    "64",
+    "--no-progress",
+    "--seed",
+    "3",
+]
+
+
+@pytest.mark.slow
+def test_kill_then_resume_equals_uninterrupted_run(tmp_path):
+    ref = tmp_path / "ref"
+    assert run_cli("training", *RESUME, "--out", ref).returncode == 0
+
+    out = tmp_path / "killed"
+    stage = tmp_path / "killed.partial"
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "training", *RESUME, "--out", str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        state = stage / "checkpoint.json"
+        if state.exists() and json.loads(state.read_text() or "{}").get("epoch", 0) >= 1:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists(), "a killed run must not leave a run dir that looks complete"
+    assert (stage / "checkpoint.json").exists()
+
+    p = run_cli("training", *RESUME, "--out", out, "--resume")
+    assert p.returncode == 0, p.stderr
+    assert not stage.exists()
+    assert load_model(out).fingerprint == load_model(ref).fingerprint
+    m_ref = (ref / "metrics.jsonl").read_text().splitlines()
+    m_res = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(m_res) == 3
+    for a, b in zip(m_ref, m_res, strict=True):
+        a, b = json.loads(a), json.loads(b)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-9)
+        assert a["val_knn_top1@30"] == b["val_knn_top1@30"]
+
+    # Extending the finished run with more epochs; a clashing option is refused.
+    p = run_cli("training", *RESUME, "--out", out, "--resume", "--lr", "0.5")
+    assert p.returncode != 0 and "differ" in p.stderr
+    p = run_cli("training", *RESUME, "--epochs", "4", "--out", out, "--resume")
+    assert p.returncode == 0, p.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.slow
+def test_softmax_baseline_run(tmp_path):
+    out = tmp_path / "softmax"
+    p = run_cli(
+        "training",
+        "--loss",
+        "softmax",
+        "--subset",
+        "2000",
+        "--val-size",
+        "400",
+        "--epochs",
+        "2",
+        "--out",
+        out,
+        "--no-progress",
+    )
+    assert p.returncode == 0, p.stderr
+    assert "validation softmax top-1" in p.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final"]["val_softmax_top1"] > 50  # 10 classes: chance is 10%
+    assert summary["final"]["val_recompute_knn_top1@30"] > 50
+    assert (out / "classifier.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_coarse_run_keeps_fine_labels(tmp_path):
+    out = tmp_path / "coarse"
+    p = run_cli(
+        "training",
+        "--coarse",
+        "--classes",
+        "0,1,5,8",
+        "--subset",
+        "800",
+        "--val-size",
+        "100",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "64",
+        "--out",
+        out,
+        "--no-progress",
+    )
+    assert p.returncode == 0, p.stderr
+    model = load_model(out)
+    assert model.config.class_names == ["tops", "trousers_dresses", "footwear", "bags"]
+    bank, _ = load_memory_bank(out / "memory.safetensors")
+    assert set(bank["labels"].tolist()) == {0, 1, 2, 3}
+    assert set(bank["fine_labels"].tolist()) == {0, 1, 2, 3}  # T-shirt, Trouser, Sandal, Bag
