@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from training.memory import MemoryBank
-from training.nca import nca_loss_reference
+from training.nca import nca_loss, nca_loss_reference
 
 
 def main() -> int:
@@ -34,9 +34,23 @@ def main() -> int:
     slots = torch.randperm(n, device=dev)[:b]
     y = bank.labels[slots]
     ok = True
-    for name, cast in (("float32", torch.float32), ("bf16-rounded", torch.bfloat16)):
+    cases = [
+        (s, n_, c_)
+        for s in ("mask", "scatter")
+        for n_, c_ in (("float32", torch.float32), ("bf16-rounded", torch.bfloat16))
+    ]
+    for strategy, name, cast in cases:
         f = F.normalize(torch.randn(b, d, device=dev).to(cast).float(), dim=1).requires_grad_()
-        out = bank.loss(f, slots, y, 0.05)
+        out = nca_loss(
+            f,
+            bank.embeddings,
+            bank.labels,
+            slots,
+            y,
+            0.05,
+            class_counts=bank.class_counts,
+            strategy=strategy,
+        )
         out.loss.backward()
         f64 = f.detach().double().requires_grad_()
         ref = nca_loss_reference(f64, bank.embeddings.double(), bank.labels, slots, y, 0.05)
@@ -45,8 +59,10 @@ def main() -> int:
         dg = (f.grad.double() - f64.grad).abs().max().item()
         good = dl < 1e-4 and dg < 1e-5
         ok &= good
-        print(f"{name:13s} loss {out.loss.item():.6f} vs float64 {ref.item():.6f} (|Δ| {dl:.1e}), "
-              f"max |Δgrad| {dg:.1e} -> {'ok' if good else 'FAIL'}")
+        print(
+            f"{name:13s} loss {out.loss.item():.6f} vs float64 {ref.item():.6f} (|Δ| {dl:.1e}), "
+            f"max |Δgrad| {dg:.1e} -> {'ok' if good else 'FAIL'}"
+        )
     bank.update(slots, f.detach(), 0.5)
     norm_err = (bank.embeddings.norm(dim=1) - 1).abs().max().item()
     ok &= norm_err < 1e-5

@@ -9,7 +9,8 @@ eq. 11 memory update) with the fused loss and with the straightforward one (mask
 logsumexp + autograd). Measurements are interleaved and the median is reported, so the ratios
 compare like with like. Peak memory of the module is reported in units of one B x N float32
 buffer: on CPU as the growth of peak RSS (glibc is told to mmap large blocks, so freed buffers
-leave RSS), on CUDA from torch.cuda.max_memory_allocated.
+leave RSS; measured in a child process so that setting does not slow the timings), on CUDA from
+torch.cuda.max_memory_allocated.
 """
 
 from __future__ import annotations
@@ -24,17 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and "--no-reexec" not in sys.argv:
-    # Large blocks via mmap so that peak RSS reflects live tensors (set before malloc starts).
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.execv(sys.executable, [sys.executable, *sys.argv, "--no-reexec"])
-
 import torch
 import torch.nn.functional as F
 
 from embedding import EmbeddingNet, ModelConfig
 from training.memory import MemoryBank
-from training.nca import nca_loss_reference
+from training.nca import nca_loss, nca_loss_reference
+from training.sysalloc import keep_freed_memory
 
 
 def _status(field: str) -> int:
@@ -71,6 +68,23 @@ class PeakMemory:
             self.peak = _status("VmHWM") - self.base
 
 
+def _cpu_memory_in_child(args) -> dict:
+    """Peak RSS is only meaningful when glibc returns freed blocks to the OS: measure it in a
+    child started with MALLOC_MMAP_THRESHOLD_ (which would slow down the timings here)."""
+    import subprocess
+
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    argv = [f"--{k}={getattr(args, k)}" for k in ("n", "d", "batch", "classes", "temperature")]
+    out = subprocess.run(
+        [sys.executable, __file__, *argv, "--memory-only"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -86,11 +100,29 @@ def bench(args) -> dict:
     y = bank.labels[slots]
     f0 = F.normalize(torch.randn(b, d, device=device), dim=1)
 
-    def nca_fused():
+    default = "scatter" if device.type == "cpu" else "mask"
+    other = "mask" if default == "scatter" else "scatter"
+
+    def fused(strategy):
         f = f0.clone().requires_grad_()
-        out = bank.loss(f, slots, y, sigma)
+        out = nca_loss(
+            f,
+            bank.embeddings,
+            bank.labels,
+            slots,
+            y,
+            sigma,
+            class_counts=bank.class_counts,
+            strategy=strategy,
+        )
         out.loss.backward()
         bank.update(slots, f.detach(), 0.5)
+
+    def nca_fused():  # the strategy training uses on this device
+        fused(default)
+
+    def nca_fused_other():  # the other partition-sum strategy, for comparison
+        fused(other)
 
     def nca_plain():
         f = f0.clone().requires_grad_()
@@ -99,6 +131,7 @@ def bench(args) -> dict:
         bank.update(slots, f.detach(), 0.5)
 
     results = {
+        "input": f"{args.channels}x{args.image_size}x{args.image_size}",
         "device": str(device),
         "n": n,
         "d": d,
@@ -110,23 +143,44 @@ def bench(args) -> dict:
     if device.type == "cuda":
         results["gpu"] = torch.cuda.get_device_name(0)
     unit = b * n * 4
-    for name, fn in (("nca_fused", nca_fused), ("nca_plain", nca_plain)):
-        fn()
-        with PeakMemory(device) as pm:
+    results["strategy"], results["other_strategy"] = default, other
+    if args.memory_only or device.type == "cuda":
+        for name, fn in (("nca_fused", nca_fused), ("nca_plain", nca_plain)):
             fn()
-        results[f"{name}_peak_bxn_buffers"] = pm.peak / unit
+            with PeakMemory(device) as pm:
+                fn()
+            results[f"{name}_peak_bxn_buffers"] = pm.peak / unit
+        if args.memory_only:
+            return results
+    else:
+        results.update(_cpu_memory_in_child(args))
 
     for arch in args.archs.split(","):
-        cfg = ModelConfig(arch=arch, embedding_dim=d, class_names=[str(i) for i in range(c)])
+        ch, size = args.channels, args.image_size
+        cfg = ModelConfig(
+            arch=arch,
+            in_channels=ch,
+            image_size=size,
+            mean=(0.5,) * ch,
+            std=(0.25,) * ch,
+            embedding_dim=d,
+            small_stem=not args.imagenet_stem,
+            class_names=[str(i) for i in range(c)],
+        )
         net = EmbeddingNet(cfg).to(device).train()
-        x = torch.randn(b, 1, 28, 28, device=device)
+        x = torch.randn(b, ch, size, size, device=device)
         g = torch.randn(b, d, device=device)
 
         def backbone(net=net, x=x, g=g):
             net.zero_grad(set_to_none=True)
             net(x).backward(g)
 
-        fns = {"backbone": backbone, "nca_fused": nca_fused, "nca_plain": nca_plain}
+        fns = {
+            "backbone": backbone,
+            "nca_fused": nca_fused,
+            "nca_fused_other": nca_fused_other,
+            "nca_plain": nca_plain,
+        }
         times = {k: [] for k in fns}
         for _ in range(args.warmup):
             for fn in fns.values():
@@ -143,6 +197,7 @@ def bench(args) -> dict:
             "backbone_ms": med["backbone"],
             "nca_fused_ms": med["nca_fused"],
             "nca_plain_ms": med["nca_plain"],
+            "nca_fused_other_strategy_ms": med["nca_fused_other"],
             "nca_over_backbone": med["nca_fused"] / med["backbone"],
             "nca_share_of_step": med["nca_fused"] / (med["backbone"] + med["nca_fused"]),
             "plain_over_fused": med["nca_plain"] / med["nca_fused"],
@@ -160,17 +215,26 @@ def main() -> None:
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--temperature", type=float, default=0.05)
     p.add_argument("--archs", default="conv4,resnet18")
+    p.add_argument("--image-size", type=int, default=28, help="input side (28: Fashion-MNIST)")
+    p.add_argument("--channels", type=int, default=1)
+    p.add_argument("--imagenet-stem", action="store_true", help="ResNet 7x7/2 stem + max-pool")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", help="also write the results to this file")
-    p.add_argument("--no-reexec", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not args.memory_only:
+        keep_freed_memory()  # as snca-train does: time compute, not page faults
     r = bench(args)
+    if args.memory_only:
+        print(json.dumps({k: v for k, v in r.items() if k.endswith("_bxn_buffers")}))
+        return
     print(
-        f"N={r['n']} d={r['d']} B={r['batch']} on {r.get('gpu', r['device'])}, "
+        f"N={r['n']} d={r['d']} B={r['batch']} input {r['input']} on {r.get('gpu', r['device'])}, "
         f"{r['threads']} threads, torch {r['torch']}"
     )
+    print(f"partition sums: {r['strategy']} (the default on this device)")
     print(
         f"peak memory of the NCA module: fused {r['nca_fused_peak_bxn_buffers']:.2f}, "
         f"straightforward {r['nca_plain_peak_bxn_buffers']:.2f} B x N float32 buffers"
@@ -180,7 +244,8 @@ def main() -> None:
         print(
             f"{arch:9s} backbone fwd+bwd {a['backbone_ms']:8.1f} ms | NCA fused {a['nca_fused_ms']:6.1f} ms "
             f"({a['nca_over_backbone']:.2f}x backbone, {100 * a['nca_share_of_step']:.1f}% of step) | "
-            f"straightforward {a['nca_plain_ms']:6.1f} ms ({a['plain_over_fused']:.2f}x fused)"
+            f"straightforward {a['nca_plain_ms']:6.1f} ms ({a['plain_over_fused']:.2f}x fused) | "
+            f"fused with {r['other_strategy']} sums {a['nca_fused_other_strategy_ms']:6.1f} ms"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=2) + "\n")

@@ -78,6 +78,8 @@ class MemoryBank(nn.Module):
         idx = torch.arange(n) if indices is None else indices.long().clone()
         self.register_buffer("indices", idx)  # (N,) dataset index of each slot
         self.num_classes = int(num_classes if num_classes is not None else labels.max() + 1)
+        counts = torch.bincount(self.labels, minlength=self.num_classes)
+        self.register_buffer("class_counts", counts, persistent=False)  # (C,)
 
     def __len__(self) -> int:
         return self.embeddings.shape[0]
@@ -87,7 +89,13 @@ class MemoryBank(nn.Module):
     ) -> NCAOutput:
         """NCA loss of a batch (B, d) against this memory (eqs. 2-4, gradient eq. 9)."""
         return nca_loss(
-            features, self.embeddings, self.labels, slots, labels, temperature, self.num_classes
+            features,
+            self.embeddings,
+            self.labels,
+            slots,
+            labels,
+            temperature,
+            class_counts=self.class_counts,
         )
 
     @torch.no_grad()

@@ -40,11 +40,12 @@ def eq9_closed_form(f, memory, mem_labels, slots, labels, sigma):
     return torch.stack(losses).sum() / n_valid, grads / n_valid, b - n_valid
 
 
+@pytest.mark.parametrize("strategy", ["scatter", "mask"])
 @pytest.mark.parametrize("sigma", [0.05, 0.1, 0.02])
-def test_gradient_equals_eq9_in_float64(sigma):
+def test_gradient_equals_eq9_in_float64(sigma, strategy):
     f, memory, ml, slots, y, c = _problem()
     f = f.clone().requires_grad_()
-    out = nca_loss(f, memory, ml, slots, y, sigma, c)
+    out = nca_loss(f, memory, ml, slots, y, sigma, c, strategy=strategy)
     (grad,) = torch.autograd.grad(out.loss, f)
     loss_ref, grad_ref, skipped = eq9_closed_form(f.detach(), memory, ml, slots, y, sigma)
     assert out.num_skipped == skipped == 0
@@ -52,11 +53,12 @@ def test_gradient_equals_eq9_in_float64(sigma):
     torch.testing.assert_close(grad, grad_ref, rtol=0, atol=1e-8)
 
 
-def test_matches_straightforward_implementation_float32():
+@pytest.mark.parametrize("strategy", ["scatter", "mask"])
+def test_matches_straightforward_implementation_float32(strategy):
     f, memory, ml, slots, y, c = _problem(b=64, n=3000, d=32, c=10, dtype=torch.float32)
     f1 = f.clone().requires_grad_()
     f2 = f.clone().requires_grad_()
-    out = nca_loss(f1, memory, ml, slots, y, 0.05, c)
+    out = nca_loss(f1, memory, ml, slots, y, 0.05, c, strategy=strategy)
     ref = nca_loss_reference(f2, memory, ml, slots, y, 0.05)
     out.loss.backward()
     ref.backward()
@@ -80,15 +82,16 @@ def test_self_slot_never_contributes():
         torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("strategy", ["scatter", "mask"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_sample_without_other_same_label_slot_is_skipped_and_counted(dtype):
+def test_sample_without_other_same_label_slot_is_skipped_and_counted(dtype, strategy):
     f, memory, ml, slots, y, c = _problem(c=5, dtype=dtype)
     ml = ml.clone()
     ml[ml == 4] = 3  # label 4 now exists only in sample 0's own slot
     ml[slots[0]] = 4
     y = ml[slots].clone()
     f = f.clone().requires_grad_()
-    out = nca_loss(f, memory, ml, slots, y, 0.05, c)
+    out = nca_loss(f, memory, ml, slots, y, 0.05, c, strategy=strategy)
     (grad,) = torch.autograd.grad(out.loss, f)
     loss_ref, grad_ref, skipped = eq9_closed_form(f.detach(), memory, ml, slots, y, 0.05)
     assert out.num_skipped == skipped == 1
