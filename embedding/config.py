@@ -70,13 +70,18 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        if not isinstance(d, dict):
-            raise ArtifactError(f"model config must be a JSON object, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ArtifactError(f"model config has unknown keys: {', '.join(unknown)}")
-        try:
-            return cls(**d)
-        except TypeError as e:
-            raise ArtifactError(f"invalid model config: {e}") from None
+        return strict_from_dict(cls, d, "model config", ArtifactError)
+
+
+def strict_from_dict(cls, d: Any, what: str, error: type[Exception]):
+    """Build dataclass `cls` from a mapping, refusing unknown keys ('-' read as '_')."""
+    if not isinstance(d, dict):
+        raise error(f"{what} must be a mapping of option: value, got {type(d).__name__}")
+    norm = {str(k).replace("-", "_"): v for k, v in d.items()}
+    unknown = sorted(set(norm) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise error(f"{what} has unknown keys: {', '.join(unknown)}")
+    try:
+        return cls(**norm)
+    except TypeError as e:
+        raise error(f"invalid {what}: {e}") from None

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from embedding.config import ARCHS
+from embedding.config import ARCHS, strict_from_dict
 from embedding.errors import SNCAError
 
 from .datasets import DATASETS
@@ -129,15 +129,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> TrainConfig:
-        known = cls.fields()
-        norm = {str(k).replace("-", "_"): v for k, v in d.items()}
-        unknown = sorted(set(norm) - set(known))
-        if unknown:
-            raise SNCAError(f"{source}: unknown keys {', '.join(unknown)}")
-        try:
-            return cls(**norm)
-        except TypeError as e:
-            raise SNCAError(f"{source}: {e}") from None
+        return strict_from_dict(cls, d, source, SNCAError)
 
 
 def load_yaml_config(path: str | Path) -> dict[str, Any]:
@@ -152,7 +144,5 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
         raise SNCAError(f"cannot read config file {path}: {e}") from None
     if data is None:
         return {}
-    if not isinstance(data, dict):
-        raise SNCAError(f"config file {path} must hold a mapping of option: value")
-    TrainConfig.from_dict(data, source=str(path))  # reject unknown keys early
+    TrainConfig.from_dict(data, source=f"config file {path}")  # reject unknown keys early
     return {str(k).replace("-", "_"): v for k, v in data.items()}

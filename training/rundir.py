@@ -13,7 +13,9 @@ from pathlib import Path
 from embedding.artifacts import fsync_dir
 from embedding.errors import SNCAError
 
-CHECKPOINT_STATE = "checkpoint.json"
+# One file, written atomically: tensors + the JSON state in its metadata, so a kill can never
+# leave weights of one epoch beside the bookkeeping of another.
+CHECKPOINT = "checkpoint.safetensors"
 
 
 def staging_path(out: Path) -> Path:
@@ -32,9 +34,9 @@ def prepare(out: Path, resume: bool, overwrite: bool) -> tuple[Path, bool]:
     if resume and overwrite:
         raise SNCAError("--resume and --overwrite contradict each other; pass one")
     if resume:
-        if (stage / CHECKPOINT_STATE).is_file():
+        if (stage / CHECKPOINT).is_file():
             return stage, True
-        if (out / CHECKPOINT_STATE).is_file():
+        if (out / CHECKPOINT).is_file():
             # Extending a finished run: continue in a copy, swap in when done.
             if stage.exists():
                 shutil.rmtree(stage)

@@ -22,7 +22,6 @@ from torch.utils.data import DataLoader
 from embedding.artifacts import (
     atomic_write_bytes,
     atomic_write_json,
-    read_json,
     read_safetensors,
     save_memory_bank,
     save_model,
@@ -51,7 +50,7 @@ from .datasets import (
 from .distributed import DistEnv, GlobalBatchSampler
 from .memory import MemoryBank, MomentumSchedule
 
-CHECKPOINT_TENSORS = "checkpoint.safetensors"
+SYNC_EVERY = 25  # steps between host reads of the loss (progress bar, divergence check)
 
 
 # ---------------------------------------------------------------------------- data
@@ -131,9 +130,12 @@ def lr_at(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
 # ---------------------------------------------------------------------------- one step
 @dataclass
 class StepResult:
-    loss: float
-    skipped: int = 0
-    correct: int = 0
+    """Per-step statistics as 0-dim device tensors: reading them forces a host sync, so the
+    loop accumulates them on the device and looks only every few steps."""
+
+    loss: torch.Tensor
+    skipped: torch.Tensor
+    correct: torch.Tensor
 
 
 def train_step(
@@ -158,12 +160,13 @@ def train_step(
     """
     with autocast_context(x.device, amp):
         emb, logits = module(x)
+    zero = torch.zeros((), dtype=torch.long, device=x.device)
     if loss_kind == "nca":
         out = bank.loss(emb, slots, y, temperature)  # eqs. 2-4, float32
-        loss, skipped, correct = out.loss, out.num_skipped, 0
+        loss, skipped, correct = out.loss, out.skipped, zero
     else:
         loss = F.cross_entropy(logits.float(), y)
-        skipped, correct = 0, int((logits.argmax(1) == y).sum())
+        skipped, correct = zero, (logits.detach().argmax(1) == y).sum()
     optimizer.zero_grad(set_to_none=True)
     if scaler is not None:
         scaler.scale(loss).backward()
@@ -174,7 +177,7 @@ def train_step(
         optimizer.step()
     # Every rank applies the same update with the same (all-gathered) global batch.
     bank.update(dist.all_gather(slots), dist.all_gather(emb.detach()), memory_momentum)
-    return StepResult(float(loss.detach()), skipped, correct)
+    return StepResult(loss.detach().float(), skipped, correct)
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -242,14 +245,18 @@ def save_checkpoint(
     tensors["rng.cpu"] = torch.get_rng_state()
     if torch.cuda.is_available() and any(p.is_cuda for p in module.parameters()):
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
-    write_safetensors(stage / CHECKPOINT_TENSORS, tensors)
     state = dict(state, optimizer=opt_meta, scaler=scaler.state_dict() if scaler else None)
-    atomic_write_json(stage / rundir.CHECKPOINT_STATE, state)
+    write_safetensors(stage / rundir.CHECKPOINT, tensors, {"state": json.dumps(state)})
 
 
 def load_checkpoint(stage: Path, module: TrainModule, bank: MemoryBank, opt, scaler) -> dict:
-    state = read_json(stage / rundir.CHECKPOINT_STATE)
-    tensors, _ = read_safetensors(stage / CHECKPOINT_TENSORS)
+    tensors, meta = read_safetensors(stage / rundir.CHECKPOINT)
+    try:
+        state = json.loads(meta["state"])
+    except (KeyError, json.JSONDecodeError):
+        raise SNCAError(
+            f"{stage / rundir.CHECKPOINT} has no training state; cannot resume"
+        ) from None
     dev = next(module.parameters()).device
     try:
         module.load_state_dict({k[7:]: v for k, v in tensors.items() if k.startswith("module.")})
@@ -431,7 +438,9 @@ def train(
         module.train()
         sampler.set_epoch(epoch)
         m = mom(epoch, cfg.epochs)
-        tot_loss, tot_skip, tot_correct, seen = 0.0, 0, 0, 0
+        # (loss sum, skipped, correct) accumulated on the device; images seen on the host
+        acc = torch.zeros(3, dtype=torch.float64, device=device)
+        seen = 0
         bar = tqdm(
             loader,
             desc=f"epoch {epoch + 1}/{cfg.epochs}",
@@ -461,24 +470,24 @@ def train(
                 scaler=scaler,
                 amp=amp,
             )
-            if not math.isfinite(r.loss):
-                raise SNCAError(
-                    f"training diverged at epoch {epoch + 1}, step {i + 1}: loss is {r.loss} "
-                    f"(σ = {cfg.temperature}, lr = {lr:g}); try a larger --temperature or lower --lr"
-                )
-            tot_loss += r.loss * x.shape[0]
-            tot_skip += r.skipped
-            tot_correct += r.correct
+            acc += torch.stack([r.loss * x.shape[0], r.skipped, r.correct]).double()
             seen += x.shape[0]
-            bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{lr:.3g}")
+            if i % SYNC_EVERY == 0 or i == steps_per_epoch - 1:
+                loss_now = float(r.loss)  # host sync, every SYNC_EVERY steps only
+                if not math.isfinite(loss_now):
+                    raise SNCAError(
+                        f"training diverged at epoch {epoch + 1}, step {i + 1}: loss is "
+                        f"{loss_now} (σ = {cfg.temperature}, lr = {lr:g}); try a larger "
+                        "--temperature or a lower --lr"
+                    )
+                bar.set_postfix(loss=f"{loss_now:.4f}", lr=f"{lr:.3g}")
         bar.close()
         # Statistics of the whole global batch, the same on every rank.
-        stats = dist.all_reduce_sum(
-            torch.tensor(
-                [tot_loss, tot_skip, tot_correct, seen], dtype=torch.float64, device=device
-            )
-        )
+        seen_t = torch.full((1,), float(seen), dtype=torch.float64, device=device)
+        stats = dist.all_reduce_sum(torch.cat([acc, seen_t]))
         tot_loss, tot_skip, tot_correct, seen = stats.tolist()
+        if not math.isfinite(tot_loss):
+            raise SNCAError(f"training diverged in epoch {epoch + 1}: the mean loss is {tot_loss}")
         train_time = time.perf_counter() - t0
         rec = {
             "epoch": epoch + 1,
@@ -499,9 +508,6 @@ def train(
             rec["epoch_seconds"] = time.perf_counter() - t0
             metrics.append(rec)
             wall = wall_before + time.perf_counter() - t_run
-            atomic_write_bytes(
-                stage / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in metrics).encode()
-            )
             save_checkpoint(
                 stage,
                 module,
@@ -509,6 +515,9 @@ def train(
                 opt,
                 scaler,
                 {"epoch": epoch + 1, "metrics": metrics, "wall_seconds": wall},
+            )
+            atomic_write_bytes(
+                stage / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in metrics).encode()
             )
             write_curves(stage / "curves.png", metrics, f"{cfg.loss} / {cfg.arch} / {cfg.dataset}")
             knn = ", ".join(

@@ -50,7 +50,7 @@ def test_config_file_unknown_key_and_missing_file(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("epochs: 2\nlearning_rate: 0.1\n")
     _fails(
-        run_cli("training", "--config", cfg, "--out", tmp_path / "r"), "unknown keys learning_rate"
+        run_cli("training", "--config", cfg, "--out", tmp_path / "r"), "unknown keys: learning_rate"
     )
     _fails(run_cli("training", "--config", tmp_path / "none.yaml"), "does not exist")
 

@@ -79,7 +79,7 @@ def test_run_dir_is_complete_and_round_trips(short_run):
         "metrics.jsonl",
         "curves.png",
         "summary.json",
-        "checkpoint.json",
+        "checkpoint.safetensors",
     } <= names
     assert not out.with_name(out.name + ".partial").exists()
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -145,14 +145,13 @@ def test_kill_then_resume_equals_uninterrupted_run(tmp_path):
     )
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        state = stage / "checkpoint.json"
-        if state.exists() and json.loads(state.read_text() or "{}").get("epoch", 0) >= 1:
+        if (stage / "checkpoint.safetensors").exists():  # epoch 1 is done
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not out.exists(), "a killed run must not leave a run dir that looks complete"
-    assert (stage / "checkpoint.json").exists()
+    assert (stage / "checkpoint.safetensors").exists()
 
     p = run_cli("training", *RESUME, "--out", out, "--resume")
     assert p.returncode == 0, p.stderr
