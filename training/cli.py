@@ -230,9 +230,11 @@ def _clean_message(e: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from .distributed import init_distributed, shutdown_distributed
+    from .sysalloc import keep_freed_memory
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    keep_freed_memory()
     try:
         cfg, resume, overwrite = resolve_config(args)
         from .trainer import resolve_device, train
