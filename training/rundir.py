@@ -26,8 +26,11 @@ def _non_empty(p: Path) -> bool:
     return p.exists() and (not p.is_dir() or any(p.iterdir()))
 
 
-def prepare(out: Path, resume: bool, overwrite: bool) -> tuple[Path, bool]:
-    """Return (staging dir, resuming?) after checking what already exists."""
+def prepare(out: Path, resume: bool, overwrite: bool) -> tuple[Path, bool, bool]:
+    """Return (staging dir, resuming?, created by this call?) after checking what exists.
+
+    A staging dir created here (fresh, or a copy of a finished run to extend) holds nothing
+    worth keeping until this run writes a checkpoint: `discard` removes it on failure."""
     stage = staging_path(out)
     if out.exists() and not out.is_dir():
         raise SNCAError(f"--out {out} exists and is not a directory")
@@ -35,13 +38,13 @@ def prepare(out: Path, resume: bool, overwrite: bool) -> tuple[Path, bool]:
         raise SNCAError("--resume and --overwrite contradict each other; pass one")
     if resume:
         if (stage / CHECKPOINT).is_file():
-            return stage, True
+            return stage, True, False
         if (out / CHECKPOINT).is_file():
             # Extending a finished run: continue in a copy, swap in when done.
             if stage.exists():
                 shutil.rmtree(stage)
             shutil.copytree(out, stage)
-            return stage, True
+            return stage, True, True
         raise SNCAError(f"--resume: no checkpoint in {stage} or {out}; nothing to resume")
     if _non_empty(stage) and not overwrite:
         raise SNCAError(
@@ -56,7 +59,11 @@ def prepare(out: Path, resume: bool, overwrite: bool) -> tuple[Path, bool]:
     if stage.exists():
         shutil.rmtree(stage)
     stage.mkdir(parents=True)
-    return stage, False
+    return stage, False, True
+
+
+def discard(stage: Path) -> None:
+    shutil.rmtree(stage, ignore_errors=True)
 
 
 def finalize(stage: Path, out: Path) -> None:

@@ -337,25 +337,37 @@ def resolve_device(name: str) -> torch.device:
 def train(
     cfg: TrainConfig, dist: DistEnv, device: torch.device, resume: bool, overwrite: bool, log=None
 ) -> RunResult:
-    from tqdm import tqdm
-
+    """Train per `cfg` into the run dir `cfg.out` (see rundir.py); returns metrics and summary."""
     if log is None:
 
         def log(msg: str) -> None:
             print(msg, flush=True)
 
     cfg.validate()
+    # Run dir: rank 0 decides, everyone follows.
+    stage, resuming, created = None, False, False
+    if dist.is_main:
+        stage, resuming, created = rundir.prepare(Path(cfg.out), resume, overwrite)
+    stage, resuming = dist.broadcast_object((stage, resuming))
+    progress = {"checkpointed": False}
+    try:
+        return _train(cfg, dist, device, stage, resuming, log, progress)
+    except BaseException:
+        # A staging dir this call made, without a checkpoint of this call, has nothing to
+        # resume: remove it rather than leave a stray OUT.partial behind.
+        if created and not progress["checkpointed"]:
+            rundir.discard(stage)
+        raise
+
+
+def _train(cfg, dist, device, stage, resuming, log, progress) -> RunResult:
+    from tqdm import tqdm
+
     out = Path(cfg.out)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-
-    # Run dir: rank 0 decides, everyone follows.
-    stage, resuming = None, False
-    if dist.is_main:
-        stage, resuming = rundir.prepare(out, resume, overwrite)
-    stage, resuming = dist.broadcast_object((stage, resuming))
 
     data = build_data(cfg, dist)
     n_train = len(data.train)
@@ -516,6 +528,7 @@ def train(
                 scaler,
                 {"epoch": epoch + 1, "metrics": metrics, "wall_seconds": wall},
             )
+            progress["checkpointed"] = True
             atomic_write_bytes(
                 stage / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in metrics).encode()
             )

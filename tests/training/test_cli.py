@@ -108,6 +108,7 @@ def test_unreadable_image_in_image_folder_is_named(tmp_path):
     )
     _fails(p, "zz_bad.png")
     assert not (tmp_path / "r").exists()
+    assert not (tmp_path / "r.partial").exists()  # no stray staging dir either
 
 
 def test_class_filter_that_leaves_nothing(tmp_path):
@@ -158,6 +159,7 @@ def test_batch_larger_than_data(tmp_path):
         "lower --batch-size",
     )
     assert not (tmp_path / "r").exists()
+    assert not (tmp_path / "r.partial").exists()
 
 
 @pytest.mark.parametrize("script", ["snca-build-index", "snca-serve"])

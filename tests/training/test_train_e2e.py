@@ -171,6 +171,9 @@ def test_kill_then_resume_equals_uninterrupted_run(tmp_path):
     p = run_cli("training", *RESUME, "--epochs", "4", "--out", out, "--resume")
     assert p.returncode == 0, p.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+    p = run_cli("training", *RESUME, "--epochs", "4", "--out", out, "--resume")
+    assert p.returncode != 0 and "already has 4 epochs" in p.stderr
+    assert not stage.exists() and (out / "model.json").exists()
 
 
 @pytest.mark.slow
