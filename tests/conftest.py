@@ -10,7 +10,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 @pytest.fixture(scope="session")
 def fashion_train():
     """The real Fashion-MNIST training split (installed by `make test` via apt, or downloaded)."""
-    from training.datasets import load_raw
+    from embedding.datasets import load_raw
 
     return load_raw("fashion-mnist", "train")
 

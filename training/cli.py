@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from embedding.datasets import DATASETS
 from embedding.errors import SNCAError
 
 from .config import DEVICES, LOSSES, LR_SCHEDULES, TrainConfig, load_yaml_config
-from .datasets import DATASETS
 from .memory import MOMENTUM_SCHEDULES
 
 # Options that may differ when resuming; everything else must match the interrupted run.

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from embedding.config import ARCHS, strict_from_dict
+from embedding.datasets import DATASETS
 from embedding.errors import SNCAError
 
-from .datasets import DATASETS
 from .memory import MOMENTUM_SCHEDULES
 
 LOSSES = ("nca", "softmax")

@@ -28,6 +28,7 @@ from embedding.artifacts import (
     write_safetensors,
 )
 from embedding.config import ModelConfig
+from embedding.datasets import STATS, FileSource, load_raw, verify_images
 from embedding.errors import SNCAError
 from embedding.inference import autocast_context, embed_batches
 from embedding.knn import knn_evaluate
@@ -36,17 +37,7 @@ from embedding.transforms import eval_transform, train_transform
 
 from . import rundir
 from .config import TrainConfig
-from .datasets import (
-    STATS,
-    FileSource,
-    IndexedDataset,
-    Split,
-    carve,
-    load_raw,
-    parse_classes,
-    select,
-    verify_images,
-)
+from .datasets import IndexedDataset, Split, carve, parse_classes, select
 from .distributed import DistEnv, GlobalBatchSampler
 from .memory import MemoryBank, MomentumSchedule
 

@@ -7,16 +7,9 @@ import torch
 from PIL import Image
 
 from embedding import DataError, ModelConfig
+from embedding.datasets import SYSTEM_FASHION_DIR, load_raw, verify_images
 from embedding.transforms import eval_transform, train_transform
-from training.datasets import (
-    SYSTEM_FASHION_DIR,
-    IndexedDataset,
-    carve,
-    load_raw,
-    parse_classes,
-    select,
-    verify_images,
-)
+from training.datasets import IndexedDataset, carve, parse_classes, select
 
 
 def test_fashion_mnist_is_complete(fashion_train):
