@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from embedding import EmbeddingNet, ModelConfig
+from embedding.sysalloc import keep_freed_memory
 from training.memory import MemoryBank
 from training.nca import nca_loss, nca_loss_reference
-from training.sysalloc import keep_freed_memory
 
 
 def _status(field: str) -> int:

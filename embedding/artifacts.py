@@ -41,6 +41,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600; artifacts are meant to be shared
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -51,6 +52,30 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def publish_dir(staging: str | os.PathLike, out: str | os.PathLike) -> None:
+    """fsync every file in `staging`, then swap it into place as `out` (an existing `out` is
+    moved aside first and removed only after the new one is in place)."""
+    import shutil
+
+    staging, out = Path(staging), Path(out)
+    for f in staging.iterdir():
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(staging)
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(staging, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -229,8 +229,9 @@ def _clean_message(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from embedding.sysalloc import keep_freed_memory
+
     from .distributed import init_distributed, shutdown_distributed
-    from .sysalloc import keep_freed_memory
 
     parser = build_parser()
     args = parser.parse_args(argv)

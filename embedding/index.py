@@ -1,0 +1,146 @@
+"""The index dir contract: FAISS index + gallery store + manifest.json, and its reader.
+
+    <index dir>/
+        index.faiss      FAISS index, IndexIDMap2 around the factory's index, CPU-readable;
+                         inner product on unit vectors (= cosine)
+        gallery.sqlite   id -> label, source, metadata (embedding/gallery.py)
+        manifest.json    format_version, dim, metric, count, labels, model fingerprint, σ,
+                         factory, search_params, source, created_at, sha256 of both files
+
+The index builder writes it; the service opens it with `open_index_dir`, which verifies the
+format version and the checksums and refuses a model whose fingerprint differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .artifacts import read_json
+from .errors import ArtifactError
+
+INDEX_FORMAT_VERSION = 1
+INDEX_FILE = "index.faiss"
+STORE_FILE = "gallery.sqlite"
+MANIFEST_FILE = "manifest.json"
+METRIC = "inner_product"
+# FAISS run-time parameters the manifest may record (applied with faiss.ParameterSpace).
+SEARCH_PARAMS = ("nprobe", "efSearch")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def apply_search_params(index, params: dict[str, Any]) -> None:
+    """Set nprobe / efSearch on `index` (through IndexIDMap2 and other wrappers)."""
+    import faiss
+
+    ps = faiss.ParameterSpace()
+    for name, value in params.items():
+        if name not in SEARCH_PARAMS:
+            raise ArtifactError(f"unknown search parameter {name!r} (known: {SEARCH_PARAMS})")
+        try:
+            ps.set_index_parameter(index, name, float(value))
+        except RuntimeError:
+            raise ArtifactError(
+                f"search parameter {name}={value} does not apply to this index"
+            ) from None
+
+
+@dataclass
+class IndexDir:
+    path: Path
+    manifest: dict[str, Any]
+    index: Any  # faiss.Index (IndexIDMap2)
+
+    @property
+    def store_path(self) -> Path:
+        return self.path / STORE_FILE
+
+    @property
+    def dim(self) -> int:
+        return int(self.manifest["dim"])
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """queries (Q, d) float32 unit rows -> similarities (Q, k) float32 descending, ids (Q, k)
+        int64 (-1 where the index holds fewer than k items)."""
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        if q.ndim != 2 or q.shape[1] != self.dim:
+            raise ValueError(f"queries must be (Q, {self.dim}), got {q.shape}")
+        return self.index.search(q, k)
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    manifest = read_json(path / MANIFEST_FILE)
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path / MANIFEST_FILE} is not a JSON object")
+    version = manifest.get("format_version")
+    if version != INDEX_FORMAT_VERSION:
+        raise ArtifactError(
+            f"{path}: index format_version {version!r} is not supported "
+            f"(this version reads {INDEX_FORMAT_VERSION}); rebuild it with snca-build-index"
+        )
+    missing = [
+        k
+        for k in ("dim", "count", "model_fingerprint", "files", "search_params")
+        if k not in manifest
+    ]
+    if missing:
+        raise ArtifactError(f"{path / MANIFEST_FILE} lacks {', '.join(missing)}")
+    return manifest
+
+
+def verify_checksums(path: str | Path, manifest: dict[str, Any]) -> None:
+    path = Path(path)
+    for name, info in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise ArtifactError(f"index dir {path} is missing {name}")
+        actual = sha256_file(f)
+        if actual != info.get("sha256"):
+            raise ArtifactError(
+                f"{f} does not match its checksum in the manifest (modified or corrupt): "
+                f"expected sha256 {str(info.get('sha256'))[:16]}..., found {actual[:16]}..."
+            )
+
+
+def open_index_dir(
+    path: str | Path, expected_fingerprint: str | None = None, verify: bool = True
+) -> IndexDir:
+    """Open an index dir: check format version, checksums (when `verify`) and, when given,
+    that it was built for the model with `expected_fingerprint`; load the FAISS index with the
+    manifest's search parameters applied."""
+    import faiss
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ArtifactError(f"index dir {path} does not exist")
+    manifest = read_manifest(path)
+    if expected_fingerprint is not None and manifest["model_fingerprint"] != expected_fingerprint:
+        raise ArtifactError(
+            f"index {path} was built for model {manifest['model_fingerprint'][:19]}..., not for "
+            f"this model {expected_fingerprint[:19]}...: rebuild the index with this model"
+        )
+    if verify:
+        verify_checksums(path, manifest)
+    try:
+        index = faiss.read_index(str(path / INDEX_FILE))
+    except RuntimeError as e:
+        raise ArtifactError(f"cannot read FAISS index {path / INDEX_FILE}: {e}") from None
+    if index.d != manifest["dim"] or index.ntotal != manifest["count"]:
+        raise ArtifactError(
+            f"{path / INDEX_FILE} holds {index.ntotal} vectors of dim {index.d}; the manifest "
+            f"says {manifest['count']} of dim {manifest['dim']}"
+        )
+    apply_search_params(index, manifest["search_params"])
+    return IndexDir(path=path, manifest=manifest, index=index)
