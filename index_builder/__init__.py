@@ -1,1 +1,1 @@
-"""Index builder: run dir -> FAISS index dir (not implemented yet; see the index issue)."""
+"""Index builder: training run dir -> FAISS index dir (contract: embedding/index.py)."""

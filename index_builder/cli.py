@@ -1,14 +1,141 @@
-"""snca-build-index: placeholder until the index-builder issue lands."""
+"""snca-build-index: export a training run into a FAISS index dir for the service.
 
+snca-build-index runs/demo --out runs/demo/index
+snca-build-index runs/demo --out runs/demo/ivf --factory IVF256,Flat --nprobe 16
+snca-build-index runs/demo --out runs/demo/hnsw --factory HNSW32 --source recompute
+"""
+
+from __future__ import annotations
+
+import argparse
 import sys
+from pathlib import Path
+
+from embedding.errors import SNCAError
+from embedding.sysalloc import keep_freed_memory
+
+from .build import DEVICES, SOURCES, BuildConfig, build
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="snca-build-index",
+        description="Export a training run dir (model + memory bank) into an index dir: a FAISS "
+        "index (IndexIDMap2, inner product on unit vectors), a SQLite gallery store and "
+        "manifest.json. The dir appears complete or not at all.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("run_dir", type=Path, help="training run dir written by snca-train")
+    p.add_argument("--out", type=Path, help="index dir to write (default: RUN_DIR/index)")
+    p.add_argument(
+        "--source",
+        choices=SOURCES,
+        default="memory",
+        help="memory: the final memory bank rows (the paper's protocol); recompute: "
+        "re-embed the training images with the final model and the eval transform",
+    )
+    p.add_argument(
+        "--factory",
+        default="Flat",
+        help="FAISS index factory string, inner product: Flat (exact), IVF1024,Flat, "
+        "HNSW32, IVF4096,PQ32, ...",
+    )
+    p.add_argument(
+        "--nprobe",
+        type=_positive_int,
+        help="IVF: lists searched per query, recorded for the service "
+        "(default sqrt(nlist), at least 8, at most nlist)",
+    )
+    p.add_argument(
+        "--ef-search",
+        type=_positive_int,
+        help="HNSW: search breadth efSearch, recorded for the service (default 128)",
+    )
+    p.add_argument(
+        "--ef-construction",
+        type=_positive_int,
+        help="HNSW: graph build breadth efConstruction (default 128; FAISS's own is 40)",
+    )
+    p.add_argument(
+        "--train-sample",
+        type=_positive_int,
+        help="vectors used to train IVF/PQ indexes (default: all, at most 500000)",
+    )
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="where FAISS trains and adds (cuda needs the faiss GPU build); the written "
+        "index is always CPU-readable",
+    )
+    p.add_argument(
+        "--batch-size", type=_positive_int, default=512, help="recompute: images per forward pass"
+    )
+    p.add_argument("--num-workers", type=int, default=0, help="recompute: data-loader workers")
+    p.add_argument("--data-dir", help="recompute: dataset location, if not where training found it")
+    p.add_argument("--seed", type=int, default=0, help="seed of the training sample")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out (kept until the new index is complete)",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="progress bars (on a terminal)",
+    )
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(
-        "snca-build-index: not implemented yet (the index builder is the next issue)",
-        file=sys.stderr,
+    args = build_parser().parse_args(argv)
+    keep_freed_memory()  # re-embedding allocates the same large batches over and over
+    cfg = BuildConfig(
+        run_dir=args.run_dir,
+        out=args.out or args.run_dir / "index",
+        source=args.source,
+        factory=args.factory,
+        nprobe=args.nprobe,
+        ef_search=args.ef_search,
+        ef_construction=args.ef_construction,
+        device=args.device,
+        overwrite=args.overwrite,
+        batch_size=args.batch_size,
+        num_workers=max(0, args.num_workers),
+        train_sample=args.train_sample,
+        data_dir=args.data_dir,
+        seed=args.seed,
+        progress=args.progress,
     )
-    return 1
+    try:
+        m = build(cfg)
+    except SNCAError as e:
+        print(f"snca-build-index: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "snca-build-index: interrupted; the previous index (if any) is untouched",
+            file=sys.stderr,
+        )
+        return 130
+    params = ", ".join(f"{k}={v}" for k, v in m["search_params"].items()) or "exact"
+    print(
+        f"index: {cfg.out} — {m['count']} vectors (d={m['dim']}, {m['source']}), "
+        f"{len(m['labels'])} labels, {m['factory']} ({params}), built on {m['build']['device']} "
+        f"in {m['build']['seconds']:.1f}s"
+    )
+    return 0
 
 
 if __name__ == "__main__":

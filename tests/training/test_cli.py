@@ -162,7 +162,7 @@ def test_batch_larger_than_data(tmp_path):
     assert not (tmp_path / "r.partial").exists()
 
 
-@pytest.mark.parametrize("script", ["snca-build-index", "snca-serve"])
+@pytest.mark.parametrize("script", ["snca-serve"])
 def test_later_stage_scripts_exist(script):
     import subprocess
     import sys
