@@ -6,11 +6,10 @@ every artifact is written and fsynced. An interrupted run leaves `<out>.partial/
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
-from embedding.artifacts import fsync_dir
+from embedding.artifacts import publish_dir
 from embedding.errors import SNCAError
 
 # One file, written atomically: tensors + the JSON state in its metadata, so a kill can never
@@ -43,7 +42,10 @@ def prepare(out: Path, resume: bool, overwrite: bool) -> tuple[Path, bool, bool]
             # Extending a finished run: continue in a copy, swap in when done.
             if stage.exists():
                 shutil.rmtree(stage)
-            shutil.copytree(out, stage)
+            # the run's own files only: an index dir built inside it belongs to the old model
+            shutil.copytree(
+                out, stage, ignore=lambda d, names: [n for n in names if (Path(d) / n).is_dir()]
+            )
             return stage, True, True
         raise SNCAError(f"--resume: no checkpoint in {stage} or {out}; nothing to resume")
     if _non_empty(stage) and not overwrite:
@@ -68,19 +70,4 @@ def discard(stage: Path) -> None:
 
 def finalize(stage: Path, out: Path) -> None:
     """fsync everything in `stage`, then swap it into place as `out`."""
-    for f in stage.iterdir():
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fsync_dir(stage)
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(stage, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    publish_dir(stage, out)

@@ -168,9 +168,12 @@ def test_kill_then_resume_equals_uninterrupted_run(tmp_path):
     # Extending the finished run with more epochs; a clashing option is refused.
     p = run_cli("training", *RESUME, "--out", out, "--resume", "--lr", "0.5")
     assert p.returncode != 0 and "differ" in p.stderr
+    (out / "index").mkdir()  # an index built for the 3-epoch model...
+    (out / "index" / "manifest.json").write_text("{}")
     p = run_cli("training", *RESUME, "--epochs", "4", "--out", out, "--resume")
     assert p.returncode == 0, p.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+    assert not (out / "index").exists()  # ...does not follow the extended run
     p = run_cli("training", *RESUME, "--epochs", "4", "--out", out, "--resume")
     assert p.returncode != 0 and "already has 4 epochs" in p.stderr
     assert not stage.exists() and (out / "model.json").exists()
