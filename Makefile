@@ -9,9 +9,10 @@ OUT ?= runs/demo
 
 .PHONY: run test install data lint bench clean
 
-run: install data ## set up, then train the default Fashion-MNIST model and print its kNN accuracy
+run: install data ## set up, train the default Fashion-MNIST model (prints its kNN accuracy), index it
 	$(PY) -m training --dataset fashion-mnist --arch conv4 --loss nca --epochs $(EPOCHS) \
 		--out $(OUT) --overwrite
+	$(PY) -m index_builder $(OUT) --out $(OUT)/index --overwrite
 
 test: install data ## set up, then lint and run the whole test suite
 	$(VENV)/bin/ruff check .
