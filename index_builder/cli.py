@@ -11,20 +11,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from embedding.cliutil import positive_int
 from embedding.errors import SNCAError
 from embedding.sysalloc import keep_freed_memory
 
 from .build import DEVICES, SOURCES, BuildConfig, build
-
-
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,23 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--nprobe",
-        type=_positive_int,
+        type=positive_int,
         help="IVF: lists searched per query, recorded for the service "
         "(default sqrt(nlist), at least 8, at most nlist)",
     )
     p.add_argument(
         "--ef-search",
-        type=_positive_int,
+        type=positive_int,
         help="HNSW: search breadth efSearch, recorded for the service (default 128)",
     )
     p.add_argument(
         "--ef-construction",
-        type=_positive_int,
+        type=positive_int,
         help="HNSW: graph build breadth efConstruction (default 128; FAISS's own is 40)",
     )
     p.add_argument(
         "--train-sample",
-        type=_positive_int,
+        type=positive_int,
         help="vectors used to train IVF/PQ indexes (default: all, at most 500000)",
     )
     p.add_argument(
@@ -79,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "index is always CPU-readable",
     )
     p.add_argument(
-        "--batch-size", type=_positive_int, default=512, help="recompute: images per forward pass"
+        "--batch-size", type=positive_int, default=512, help="recompute: images per forward pass"
     )
     p.add_argument("--num-workers", type=int, default=0, help="recompute: data-loader workers")
     p.add_argument("--data-dir", help="recompute: dataset location, if not where training found it")

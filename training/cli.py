@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from embedding.cliutil import positive_int
 from embedding.datasets import DATASETS
 from embedding.errors import SNCAError
 
@@ -31,16 +32,6 @@ def _float_list(s: str) -> list[float]:
         return [float(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
-
-
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train on coarse labels (Fashion-MNIST "
         "groups; CIFAR-100 superclasses); fine labels are kept in the memory bank",
     )
-    g.add_argument("--subset", type=_positive_int, help="stratified subset of N training images")
+    g.add_argument("--subset", type=positive_int, help="stratified subset of N training images")
     g.add_argument(
         "--val-size",
         type=float,
@@ -77,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"a count >= 1 or a fraction < 1; 0 disables (default {d.val_size:g})",
     )
     g.add_argument(
-        "--image-size", type=_positive_int, help="ImageFolder: image side in px (default 64)"
+        "--image-size", type=positive_int, help="ImageFolder: image side in px (default 64)"
     )
     g.add_argument(
         "--in-channels", type=int, choices=(1, 3), help="ImageFolder: 1 or 3 (default 3)"
@@ -100,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="ResNets: keep the 7x7 stride-2 conv + max-pool stem (for large images)",
     )
-    g.add_argument("--embedding-dim", type=_positive_int, help=f"d (default {d.embedding_dim})")
+    g.add_argument("--embedding-dim", type=positive_int, help=f"d (default {d.embedding_dim})")
     g.add_argument("--temperature", type=float, help=f"σ (default {d.temperature})")
     g = p.add_argument_group("objective")
     g.add_argument("--loss", choices=LOSSES, help=f"nca or the softmax baseline (default {d.loss})")
@@ -118,10 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"how m moves from start to end (default {d.memory_momentum_schedule})",
     )
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=_positive_int, help=f"default {d.epochs}")
+    g.add_argument("--epochs", type=positive_int, help=f"default {d.epochs}")
     g.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         help=f"global batch size, split across processes (default {d.batch_size})",
     )
     g.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
@@ -140,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("evaluation")
     g.add_argument("--knn-k", type=_int_list, help="k values of the validation kNN (default 1,30)")
-    g.add_argument("--eval-every", type=_positive_int, help="validate every N epochs (default 1)")
+    g.add_argument("--eval-every", type=positive_int, help="validate every N epochs (default 1)")
     g = p.add_argument_group("runtime")
     g.add_argument("--device", choices=DEVICES, help=f"default {d.device}")
     g.add_argument(
