@@ -1,0 +1,236 @@
+"""Generalized few-shot evaluation: the situation /gallery/add creates.
+
+A model trained on base classes; its gallery (memory bank, or re-embedded training images) holds
+every base training item; K images of each held-out ("novel") class are added; queries from
+base and novel classes are classified by each voting rule of embedding.voting. Reports top-1
+on novel queries, on base queries, and their harmonic mean, mean ± 95% CI over draws of shots.
+
+    python -m training.fewshot runs/base7 --shots 1,5 --draws 5            # validation split
+    python -m training.fewshot runs/base7 --split test --rules kde          # test split, once
+
+split=val: base queries = the run's validation split; novel shots and queries both from the
+novel classes' training images (disjoint). split=test: base and novel queries from the test
+split, novel shots from the novel classes' training images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embedding import load_memory_bank, load_model
+from embedding.artifacts import read_json
+from embedding.cliutil import positive_int
+from embedding.datasets import load_raw
+from embedding.errors import SNCAError
+from embedding.inference import embed_batches
+from embedding.knn import knn_search
+from embedding.transforms import eval_transform
+from embedding.voting import VOTES, kde_probs, knn_probs, prototype_probs
+
+from .config import TrainConfig
+
+
+@dataclass
+class Pools:
+    gallery: torch.Tensor  # (N, d) base gallery
+    gallery_labels: torch.Tensor  # (N,)
+    base_q: torch.Tensor  # (Qb, d)
+    base_y: torch.Tensor  # (Qb,)
+    shot_pool: torch.Tensor  # (S, d) novel images the shots are drawn from
+    shot_y: torch.Tensor  # (S,) labels nb..C-1
+    novel_q: torch.Tensor  # (Qn, d) novel queries (split=test); None for val (drawn from pool)
+    novel_y: torch.Tensor | None
+    num_base: int
+    num_classes: int
+    temperature: float
+
+
+def _embed(model, raw, positions, batch=1024):
+    tf = eval_transform(model.config)
+    out = []
+    for s in range(0, len(positions), batch):
+        x = torch.stack([tf(raw.source.get(int(p))) for p in positions[s : s + batch]])
+        out.append(embed_batches(model, [x], torch.device("cpu")))
+    return torch.cat(out) if out else torch.empty(0, model.config.embedding_dim)
+
+
+def load_pools(run: Path, novel: list[int] | None, split: str, gallery: str) -> Pools:
+    from .trainer import build_data
+
+    model = load_model(run)
+    cfg_dict = read_json(run / "config.json")
+    known = TrainConfig.fields()
+    cfg = TrainConfig.from_dict({k: v for k, v in cfg_dict.items() if k in known})
+    if cfg.coarse:
+        raise SNCAError("generalized few-shot needs a run trained on fine labels (not --coarse)")
+    data = build_data(cfg)
+    raw = data.train.raw
+    base_names = data.model_cfg.class_names
+    base_ids = [raw.class_names.index(n) for n in base_names]
+    novel = novel or [c for c in range(len(raw.class_names)) if c not in base_ids]
+    if not novel or set(novel) & set(base_ids):
+        raise SNCAError(
+            f"novel classes {novel} must be non-empty and disjoint from the base {base_ids}"
+        )
+    nb, c = len(base_ids), len(base_ids) + len(novel)
+    bank, _ = load_memory_bank(run / "memory.safetensors")
+    g = bank["embeddings"] if gallery == "memory" else _embed(model, raw, bank["indices"].numpy())
+    novel_train = np.nonzero(np.isin(raw.targets, novel))[0]
+    to_novel = {cls: nb + i for i, cls in enumerate(novel)}
+    shot_y = torch.tensor([to_novel[int(t)] for t in raw.targets[novel_train]])
+    shot_pool = _embed(model, raw, novel_train)
+    if split == "val":
+        if data.val is None:
+            raise SNCAError(f"{run} has no validation split (trained with --val-size 0)")
+        base_q, base_y = _embed(model, raw, data.val.positions), torch.from_numpy(data.val.labels)
+        novel_q = novel_y = None
+    else:
+        test = load_raw(
+            cfg.dataset, "test", cfg.data_dir, data.model_cfg.image_size, data.model_cfg.in_channels
+        )
+        bpos = np.nonzero(np.isin(test.targets, base_ids))[0]
+        base_q = _embed(model, test, bpos)
+        base_y = torch.tensor([base_ids.index(int(t)) for t in test.targets[bpos]])
+        npos = np.nonzero(np.isin(test.targets, novel))[0]
+        novel_q = _embed(model, test, npos)
+        novel_y = torch.tensor([to_novel[int(t)] for t in test.targets[npos]])
+    return Pools(
+        g,
+        bank["labels"],
+        base_q,
+        base_y,
+        shot_pool,
+        shot_y,
+        novel_q,
+        novel_y,
+        nb,
+        c,
+        model.config.temperature,
+    )
+
+
+def predict(
+    rule: str, q: torch.Tensor, g: torch.Tensor, y: torch.Tensor, c: int, sigma: float, k: int
+) -> torch.Tensor:
+    """Top-1 label of each query under `rule` (the service's functions)."""
+    if rule == "knn":
+        sims, idx = knn_search(q, g, k)
+        return knn_probs(sims, y[idx], c, sigma).argmax(1)
+    if rule == "prototype":
+        sums = torch.zeros(c, g.shape[1]).index_add_(0, y, g)
+        return prototype_probs(q, sums, torch.bincount(y, minlength=c), sigma).argmax(1)
+    if rule == "kde":
+        out = []
+        for s in range(0, q.shape[0], 1024):  # (1024, N) similarity blocks
+            out.append(kde_probs(q[s : s + 1024] @ g.T, y, c, sigma).argmax(1))
+        return torch.cat(out)
+    raise ValueError(rule)
+
+
+def evaluate(
+    p: Pools,
+    shots: int,
+    draws: int,
+    rules: list[str],
+    k: int,
+    queries_per_class: int,
+    seed: int = 0,
+) -> dict[str, dict]:
+    rng = np.random.default_rng(seed)
+    per: dict[str, list[tuple[float, float]]] = {r: [] for r in rules}
+    for _ in range(draws):
+        pick, qpick = [], []
+        for cls in range(p.num_base, p.num_classes):
+            idx = rng.permutation(np.nonzero((p.shot_y == cls).numpy())[0])
+            pick.append(idx[:shots])
+            qpick.append(idx[shots : shots + queries_per_class])
+        pick = np.concatenate(pick)
+        g = torch.cat([p.gallery, p.shot_pool[pick]])
+        y = torch.cat([p.gallery_labels, p.shot_y[pick]])
+        if p.novel_q is None:  # val: novel queries from the same pool, disjoint from the shots
+            qn, yn = p.shot_pool[np.concatenate(qpick)], p.shot_y[np.concatenate(qpick)]
+        else:
+            qn, yn = p.novel_q, p.novel_y
+        q = torch.cat([p.base_q, qn])
+        qy = torch.cat([p.base_y, yn])
+        novel = qy >= p.num_base
+        for r in rules:
+            pred = predict(r, q, g, y, p.num_classes, p.temperature, k)
+            ok = (pred == qy).float()
+            per[r].append((ok[novel].mean().item(), ok[~novel].mean().item()))
+    out = {}
+    for r, v in per.items():
+        n, b = np.array([x[0] for x in v]), np.array([x[1] for x in v])
+        hm = np.where(n + b > 0, 2 * n * b / np.maximum(n + b, 1e-12), 0.0)
+        out[r] = {name: _mean_ci(a) for name, a in (("novel", n), ("base", b), ("hm", hm))}
+    return out
+
+
+def _mean_ci(a: np.ndarray) -> dict[str, float]:
+    m = float(a.mean())
+    ci = 1.96 * float(a.std(ddof=1)) / math.sqrt(len(a)) if len(a) > 1 else 0.0
+    return {"mean": m, "ci95": ci}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m training.fewshot",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("run", type=Path, help="run dir of a model trained on base classes (--classes)")
+    ap.add_argument("--novel", help="held-out class ids (default: every class not trained on)")
+    ap.add_argument("--shots", default="1,5", help="K values, comma-separated")
+    ap.add_argument("--draws", type=positive_int, default=5, help="draws of the shots")
+    ap.add_argument("--rules", default=",".join(VOTES), help="voting rules to compare")
+    ap.add_argument("--k", type=positive_int, default=30, help="k of the knn rule")
+    ap.add_argument("--split", choices=("val", "test"), default="val")
+    ap.add_argument("--gallery", choices=("memory", "recompute"), default="memory")
+    ap.add_argument(
+        "--queries-per-class",
+        type=positive_int,
+        default=500,
+        help="split=val: novel queries per class",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="also write the table here")
+    a = ap.parse_args(argv)
+    try:
+        rules = [r.strip() for r in a.rules.split(",")]
+        unknown = [r for r in rules if r not in VOTES]
+        if unknown:
+            raise SNCAError(f"unknown rules {unknown}; known: {', '.join(VOTES)}")
+        novel = [int(c) for c in a.novel.split(",")] if a.novel else None
+        shots = [int(s) for s in a.shots.split(",")]
+        pools = load_pools(a.run, novel, a.split, a.gallery)
+        table = {}
+        for k_shot in shots:
+            res = evaluate(pools, k_shot, a.draws, rules, a.k, a.queries_per_class, a.seed)
+            table[k_shot] = res
+            for r, v in res.items():
+                print(
+                    f"{k_shot}-shot {r:9s} novel {100 * v['novel']['mean']:5.1f} ± {100 * v['novel']['ci95']:.1f}  "
+                    f"base {100 * v['base']['mean']:5.1f} ± {100 * v['base']['ci95']:.1f}  "
+                    f"HM {v['hm']['mean']:.3f} ± {v['hm']['ci95']:.3f}",
+                    flush=True,
+                )
+        if a.json:
+            a.json.write_text(
+                json.dumps({"split": a.split, "gallery": a.gallery, "table": table}, indent=2)
+            )
+    except (SNCAError, ValueError) as e:
+        print(f"fewshot: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
