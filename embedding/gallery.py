@@ -1,8 +1,10 @@
 """The gallery store: SQLite, one row per indexed item, sharing its id with the FAISS index.
 
 Created by the index builder for the items of a training run (source 'trained'); the service
-adds and deletes items (source 'added') and keeps, for added items, the embedding and the image
-so a new model can re-embed them. Schema versioned in the `meta` table.
+adds items (source 'added', with the uploaded image so a new model can re-embed them) and marks
+deletions. Every item keeps its embedding, so the in-memory index can always be rebuilt from the
+store. Writes are numbered (add_seq / deleted_seq, meta 'last_seq'): an index snapshot records
+the last write it contains and start-up replays the later ones. Schema versioned in `meta`.
 """
 
 from __future__ import annotations
@@ -24,15 +26,20 @@ CREATE TABLE meta (
     value TEXT NOT NULL
 );
 CREATE TABLE items (
-    id         INTEGER PRIMARY KEY,      -- the item's id in the FAISS index (IndexIDMap2)
-    label      TEXT    NOT NULL,
-    source     TEXT    NOT NULL CHECK (source IN ('trained', 'added')),
-    metadata   TEXT,                     -- JSON object, or NULL
-    created_at TEXT    NOT NULL,         -- ISO 8601, UTC
-    embedding  BLOB,                     -- float32 x d, for added items
-    image      BLOB                      -- the uploaded image, for added items
+    id          INTEGER PRIMARY KEY,     -- the item's id in the FAISS index (IndexIDMap2)
+    label       TEXT    NOT NULL,
+    source      TEXT    NOT NULL CHECK (source IN ('trained', 'added')),
+    metadata    TEXT,                    -- JSON object, or NULL
+    created_at  TEXT    NOT NULL,        -- ISO 8601, UTC
+    embedding   BLOB    NOT NULL,        -- float32 x dim, little-endian, unit norm
+    image       BLOB,                    -- the uploaded image (added items, size-capped)
+    image_type  TEXT,                    -- its MIME type
+    add_seq     INTEGER NOT NULL DEFAULT 0,  -- write that added it (0: part of the built index)
+    deleted_seq INTEGER                  -- write that deleted it; NULL while live
 );
-CREATE INDEX items_label ON items (label);
+CREATE INDEX items_live_label ON items (label) WHERE deleted_seq IS NULL;
+CREATE INDEX items_add_seq ON items (add_seq);
+CREATE INDEX items_deleted_seq ON items (deleted_seq) WHERE deleted_seq IS NOT NULL;
 """
 
 
@@ -42,12 +49,12 @@ def utc_now() -> str:
 
 def create_store(
     path: str | Path,
-    rows: Iterable[tuple[int, str, str, dict | None]],
+    rows: Iterable[tuple[int, str, str, dict | None, bytes]],
     meta: dict[str, str] | None = None,
     batch: int = 10000,
 ) -> int:
-    """Write a new store at `path` (which must not exist) from (id, label, source, metadata)
-    rows; return the number of rows. The file is complete and fsynced when this returns."""
+    """Write a new store at `path` (which must not exist) from (id, label, source, metadata,
+    embedding bytes) rows; return the number of rows. Complete and fsynced when this returns."""
     path = Path(path)
     if path.exists():
         raise FileExistsError(path)
@@ -57,16 +64,23 @@ def create_store(
         conn.execute("PRAGMA synchronous=FULL")
         conn.executescript(_SCHEMA)
         now = utc_now()
-        m = {"schema_version": str(STORE_SCHEMA_VERSION), "created_at": now, **(meta or {})}
-        conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", sorted(m.items()))
-        n, chunk = 0, []
-        for item_id, label, source, metadata in rows:
+        n, chunk, max_id = 0, [], -1
+        for item_id, label, source, metadata, emb in rows:
             md = None if metadata is None else json.dumps(metadata, sort_keys=True)
-            chunk.append((int(item_id), str(label), source, md, now))
+            chunk.append((int(item_id), str(label), source, md, now, emb))
+            max_id = max(max_id, int(item_id))
             if len(chunk) >= batch:
                 n += _insert(conn, chunk)
                 chunk = []
         n += _insert(conn, chunk)
+        m = {
+            "schema_version": str(STORE_SCHEMA_VERSION),
+            "created_at": now,
+            "last_seq": "0",
+            "next_id": str(max_id + 1),
+            **(meta or {}),
+        }
+        conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", sorted(m.items()))
         conn.commit()
     finally:
         conn.close()
@@ -75,7 +89,9 @@ def create_store(
 
 def _insert(conn: sqlite3.Connection, chunk: list) -> int:
     conn.executemany(
-        "INSERT INTO items (id, label, source, metadata, created_at) VALUES (?, ?, ?, ?, ?)", chunk
+        "INSERT INTO items (id, label, source, metadata, created_at, embedding) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        chunk,
     )
     return len(chunk)
 
@@ -101,4 +117,13 @@ def open_store(path: str | Path, readonly: bool = True) -> sqlite3.Connection:
 
 
 def label_counts(conn: sqlite3.Connection) -> dict[str, int]:
-    return dict(conn.execute("SELECT label, COUNT(*) FROM items GROUP BY label ORDER BY label"))
+    """Live items per label."""
+    return dict(
+        conn.execute(
+            "SELECT label, COUNT(*) FROM items WHERE deleted_seq IS NULL GROUP BY label ORDER BY label"
+        )
+    )
+
+
+def read_meta(conn: sqlite3.Connection) -> dict[str, str]:
+    return dict(conn.execute("SELECT key, value FROM meta"))

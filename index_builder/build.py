@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -392,6 +393,7 @@ def build(cfg: BuildConfig, log=_say) -> dict:
     stage.mkdir()
     try:
         faiss.write_index(index, str(stage / INDEX_FILE))
+        d_out = int(index.d)
         names = model.config.class_names
         train_cfg = (
             read_json(cfg.run_dir / "config.json")
@@ -399,14 +401,27 @@ def build(cfg: BuildConfig, log=_say) -> dict:
             else {}
         )
         dataset = train_cfg.get("dataset") if isinstance(train_cfg, dict) else None
+        emb_le = vec.embeddings.astype("<f4", copy=False)
         rows = (
-            (int(i), names[int(y)], "trained", {"dataset": dataset, "dataset_index": int(di)})
+            (
+                int(i),
+                names[int(y)],
+                "trained",
+                {"dataset": dataset, "dataset_index": int(di)},
+                emb_le[int(i)].tobytes(),
+            )
             for i, y, di in zip(ids, vec.label_ids, vec.dataset_indices, strict=True)
         )
-        create_store(stage / STORE_FILE, rows, {"model_fingerprint": model.fingerprint})
+        index_id = uuid.uuid4().hex
+        create_store(
+            stage / STORE_FILE,
+            rows,
+            {"model_fingerprint": model.fingerprint, "index_id": index_id, "dim": str(d_out)},
+        )
         counts = np.bincount(vec.label_ids, minlength=len(names))
         manifest = {
             "format_version": INDEX_FORMAT_VERSION,
+            "index_id": index_id,
             "dim": int(index.d),
             "metric": METRIC,
             "normalized": True,
