@@ -6,13 +6,24 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.snca-installed
 EPOCHS ?= 3
 OUT ?= runs/demo
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
 .PHONY: run test install data lint bench clean
 
-run: install data ## set up, train the default Fashion-MNIST model (prints its kNN accuracy), index it
+run: install data ## set up, train the default model, index it, serve it (Ctrl-C stops)
 	$(PY) -m training --dataset fashion-mnist --arch conv4 --loss nca --epochs $(EPOCHS) \
 		--out $(OUT) --overwrite
 	$(PY) -m index_builder $(OUT) --out $(OUT)/index --overwrite
+	$(PY) -m service.examples $(OUT)/examples > /dev/null
+	@echo
+	@echo "Try it (in another terminal):"
+	@echo "  curl -s -F image=@$(OUT)/examples/sneaker.png http://$(HOST):$(PORT)/classify"
+	@echo "  curl -s -F label=my-shoe -F images=@$(OUT)/examples/sandal.png http://$(HOST):$(PORT)/gallery/add"
+	@echo "  curl -s http://$(HOST):$(PORT)/gallery/labels"
+	@echo "  API docs: http://$(HOST):$(PORT)/docs"
+	@echo
+	$(PY) -m service --model $(OUT) --host $(HOST) --port $(PORT)
 
 test: install data ## set up, then lint and run the whole test suite
 	$(VENV)/bin/ruff check .
@@ -22,7 +33,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[train,dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[train,serve,dev]'
 	touch $@
 
 # Fashion-MNIST from Debian's dataset-fashion-mnist where apt exists; otherwise the loader

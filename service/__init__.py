@@ -1,1 +1,1 @@
-"""FastAPI service (not implemented yet; see the service issue)."""
+"""FastAPI service: classify, register labels, search; durable gallery writes."""

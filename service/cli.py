@@ -1,11 +1,101 @@
-"""snca-serve: placeholder until the service issue lands."""
+"""snca-serve: run the service with uvicorn.
 
+    snca-serve --model runs/demo --index runs/demo/index --store runs/demo/serve/gallery.sqlite \\
+               --host 127.0.0.1 --port 8000
+
+Every option can also come from the environment (SNCA_MODEL, SNCA_INDEX, SNCA_STORE, SNCA_PORT,
+SNCA_API_KEY, ...; see service/config.py); flags win over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
 import sys
+from pathlib import Path
+
+from embedding.cliutil import positive_int
+from embedding.errors import SNCAError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="snca-serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--model", type=Path, help="training run dir (default SNCA_MODEL or runs/demo)")
+    p.add_argument("--index", type=Path, help="index dir (default MODEL/index)")
+    p.add_argument(
+        "--store", type=Path, help="the service's gallery store (default DATA_DIR/gallery.sqlite)"
+    )
+    p.add_argument("--data-dir", type=Path, help="store and snapshots (default MODEL/serve)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    p.add_argument(
+        "--vote", choices=("knn", "prototype", "kde"), help="default voting rule (default kde)"
+    )
+    p.add_argument("--k", type=positive_int, help="default k (30)")
+    p.add_argument(
+        "--max-batch", type=positive_int, help="micro-batcher: images per forward pass (64)"
+    )
+    p.add_argument("--max-wait-ms", type=float, help="micro-batcher: wait for more requests (2 ms)")
+    p.add_argument(
+        "--snapshot-every", type=int, help="snapshot the index every N writes (1000; 0 = on demand)"
+    )
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("snca-serve: not implemented yet (the service is a later issue)", file=sys.stderr)
-    return 1
+    args = vars(build_parser().parse_args(argv))
+    try:
+        import uvicorn
+        from pydantic import ValidationError
+
+        from .app import create_app
+        from .config import Settings
+        from .state import ServiceState
+    except ImportError as e:
+        print(
+            f"snca-serve: error: {e} (install the serve extra: pip install 'snca[serve]')",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        settings = Settings(**{k.replace("-", "_"): v for k, v in args.items()})
+    except ValidationError as e:
+        msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        print(f"snca-serve: error: {msgs}", file=sys.stderr)
+        return 2
+    from embedding.sysalloc import keep_freed_memory
+
+    keep_freed_memory()
+    from .logs import setup_logging
+
+    setup_logging(settings.log_level)
+    state = ServiceState(settings)
+    try:
+        state.start()  # load and check everything before binding the port
+    except (SNCAError, OSError, ValueError, RuntimeError) as e:
+        print(f"snca-serve: error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(state=state)
+    print(
+        f"snca-serve: {state.gallery.size()} items, {len(state.gallery.labels)} labels; "
+        f"listening on http://{settings.host}:{settings.port} (docs at /docs)",
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,193 @@
+"""create_app(): the FastAPI application with its lifespan, middleware and error handlers."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from embedding.errors import SNCAError
+
+from .config import Settings
+from .embedder import ImageError
+from .logs import request_id, setup_logging
+from .routes import classify, gallery, ops, search
+from .state import ServiceState
+from .store import StoreUnavailable
+
+log = logging.getLogger("snca.http")
+
+DESCRIPTION = """
+Classify images by their neighbours in an embedding gallery (Scalable NCA), register new labels
+from a few images at run time, and retrieve similar images.
+
+Writes (`/gallery/*`, `/admin/*`) need the `X-API-Key` header when `SNCA_API_KEY` is set.
+Errors are JSON `{"detail": ...}`: 400 undecodable image, 401 API key, 404 unknown label/item,
+413 too large, 415 not an image, 422 invalid field, 503 not ready or store not writable.
+"""
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class RequestContext:
+    """Pure ASGI middleware: request id, body-size limit, timing header, metrics, access log."""
+
+    def __init__(self, app, state: ServiceState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or uuid.uuid4().hex[:16]
+        token = request_id.set(rid)
+        limit = self.state.settings.max_upload_bytes
+        t0 = time.perf_counter()
+        status_box = {"code": 500}
+        try:
+            length = int(headers.get(b"content-length", b"0") or 0)
+        except ValueError:
+            length = 0
+        if length > limit:
+            resp = JSONResponse(
+                {"detail": f"request body is {length} bytes; the limit is {limit}"}, status_code=413
+            )
+            await resp(scope, receive, send)
+            self._account(scope, 413, t0)
+            request_id.reset(token)
+            return
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+            return msg
+
+        async def send_wrapper(msg):
+            if msg["type"] == "http.response.start":
+                status_box["code"] = msg["status"]
+                ms = (time.perf_counter() - t0) * 1000
+                msg.setdefault("headers", [])
+                msg["headers"] = [
+                    *list(msg["headers"]),
+                    (b"x-request-id", rid.encode("latin-1")),
+                    (b"x-process-time-ms", f"{ms:.2f}".encode()),
+                ]
+            await send(msg)
+
+        started = {"yes": False}
+
+        async def send_tracking(msg):
+            if msg["type"] == "http.response.start":
+                started["yes"] = True
+            await send_wrapper(msg)
+
+        try:
+            await self.app(scope, limited_receive, send_tracking)
+        except Exception:
+            # Never a stack trace to the client, never a dropped connection: a bug is logged
+            # with the request id and answered as a plain 500.
+            log.exception("unhandled error")
+            status_box["code"] = 500
+            if not started["yes"]:
+                resp = JSONResponse(
+                    {"detail": f"internal error (request id {rid})"}, status_code=500
+                )
+                await resp(scope, receive, send_wrapper)
+        finally:
+            self._account(scope, status_box["code"], t0)
+            request_id.reset(token)
+
+    def _account(self, scope, code: int, t0: float) -> None:
+        route = scope.get("route")
+        path = getattr(route, "path", None) or "unmatched"
+        dt = time.perf_counter() - t0
+        m = self.state.metrics
+        m.requests.labels(path, scope.get("method", ""), str(code)).inc()
+        m.latency.labels(path).observe(dt)
+        if log.isEnabledFor(logging.DEBUG) or code >= 400:
+            log.log(
+                logging.INFO if code < 500 else logging.ERROR,
+                "request",
+                extra={
+                    "fields": {
+                        "method": scope.get("method"),
+                        "path": scope.get("path"),
+                        "status": code,
+                        "ms": round(dt * 1000, 2),
+                    }
+                },
+            )
+
+
+def create_app(settings: Settings | None = None, state: ServiceState | None = None) -> FastAPI:
+    """The app for `settings` (default: from SNCA_* variables). A `state` already started (as
+    snca-serve does, to report start-up errors cleanly) is used as it is."""
+    if state is None:
+        settings = settings or Settings()
+        state = ServiceState(settings)
+    settings = state.settings
+    setup_logging(settings.log_level)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not state.ready:
+            await run_in_threadpool(state.start)
+        state.batcher.start()
+        try:
+            yield
+        finally:
+            state.ready = False  # /readyz fails first: load balancers stop sending
+            await state.batcher.stop()  # in-flight batches finish
+            state.stop()
+
+    app = FastAPI(title="snca", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    app.state.snca = state
+    for r in (classify.router, gallery.router, search.router, ops.router):
+        app.include_router(r)
+
+    @app.exception_handler(ImageError)
+    async def _image_error(request: Request, e: ImageError):
+        return JSONResponse({"detail": e.message}, status_code=e.status)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_error(request: Request, e: StoreUnavailable):
+        return JSONResponse(
+            {"detail": f"{e}; nothing was changed, reads keep working"}, status_code=503
+        )
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, e: BodyTooLarge):
+        return JSONResponse({"detail": str(e)}, status_code=413)
+
+    @app.exception_handler(SNCAError)
+    async def _snca_error(request: Request, e: SNCAError):
+        return JSONResponse({"detail": str(e)}, status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        msgs = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path"))
+            msgs.append(f"{loc or 'request'}: {err.get('msg')}")
+        return JSONResponse({"detail": "; ".join(msgs) or "invalid request"}, status_code=422)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        return JSONResponse({"detail": e.detail}, status_code=e.status_code, headers=e.headers)
+
+    app.add_middleware(RequestContext, state=state)
+    return app

@@ -1,0 +1,93 @@
+"""Service settings: environment variables with the SNCA_ prefix (pydantic-settings).
+
+Model hyper-parameters (σ, transforms, class names) come from the model card, never from here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from embedding.voting import VOTES
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SNCA_", env_file=None, extra="ignore")
+
+    # artifacts
+    model: Path = Field(Path("runs/demo"), description="training run dir (model card + weights)")
+    index: Path | None = Field(
+        None, description="index dir built by snca-build-index (default MODEL/index)"
+    )
+    store: Path | None = Field(
+        None,
+        description="the service's gallery store (SQLite, written by the service); created from "
+        "the index dir's store on first start (default DATA_DIR/gallery.sqlite)",
+    )
+    data_dir: Path | None = Field(
+        None, description="where the store and index snapshots live (default MODEL/serve)"
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    # classification
+    k: int = Field(30, ge=1, le=1000, description="neighbours that vote (kNN rule)")
+    vote: str = Field("kde", description=f"default voting rule: one of {', '.join(VOTES)}")
+    unknown_similarity: float = Field(
+        0.5, ge=-1.0, le=1.0, description="open-set: 'unknown' when the best cosine is below this"
+    )
+    unknown_probability: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="open-set: 'unknown' when the winning probability is below this",
+    )
+
+    # batching
+    max_batch: int = Field(64, ge=1, le=4096, description="micro-batcher: images per forward pass")
+    max_wait_ms: float = Field(2.0, ge=0.0, le=1000.0, description="micro-batcher: wait for more")
+    workers: int = Field(2, ge=1, le=64, description="threads for decoding images and searching")
+
+    # limits
+    max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="per request body")
+    max_image_pixels: int = Field(40_000_000, ge=64, description="width x height per image")
+    max_images_per_request: int = Field(64, ge=1, le=1024)
+    max_label_length: int = Field(100, ge=1, le=1000)
+    max_metadata_bytes: int = Field(16 * 1024, ge=2)
+    store_images: bool = Field(
+        True, description="keep added images in the store (for re-embedding)"
+    )
+    max_stored_image_bytes: int = Field(2 * 1024 * 1024, ge=0)
+
+    # durability
+    snapshot_every: int = Field(
+        1000, ge=0, description="snapshot the index after this many writes (0: only on demand)"
+    )
+
+    # security
+    api_key: SecretStr | None = Field(None, description="required on writes when set (X-API-Key)")
+    protect_reads: bool = Field(False, description="require the API key on read routes too")
+
+    # server
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("vote")
+    @classmethod
+    def _known_vote(cls, v: str) -> str:
+        if v not in VOTES:
+            raise ValueError(f"unknown vote {v!r}; choose one of {', '.join(VOTES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _defaults(self) -> Settings:
+        if self.index is None:
+            self.index = self.model / "index"
+        if self.data_dir is None:
+            self.data_dir = self.model / "serve"
+        if self.store is None:
+            self.store = self.data_dir / "gallery.sqlite"
+        return self

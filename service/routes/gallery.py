@@ -1,0 +1,113 @@
+"""POST /gallery/add, GET /gallery/labels, DELETE /gallery/labels/{label}, DELETE /gallery/items/{id}."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+import numpy as np
+from fastapi import APIRouter, File, Form, HTTPException, UploadFile
+from starlette.concurrency import run_in_threadpool
+
+from ..deps import ReadKey, StateDep, WriteKey, check_label, parse_metadata
+from ..schemas import AddResult, DeleteResult, ErrorBody, LabelInfo, LabelsResult
+
+router = APIRouter(prefix="/gallery", tags=["gallery"])
+
+WRITE_ERRORS = {
+    400: {"model": ErrorBody, "description": "undecodable image"},
+    401: {"model": ErrorBody, "description": "missing or wrong API key"},
+    413: {"model": ErrorBody, "description": "too many or too large images / metadata"},
+    415: {"model": ErrorBody, "description": "not an image"},
+    503: {
+        "model": ErrorBody,
+        "description": "the gallery store cannot be written (nothing was changed)",
+    },
+}
+
+
+@router.post(
+    "/add",
+    response_model=AddResult,
+    responses=WRITE_ERRORS,
+    summary="Register images under a label (new or existing); classifiable on return",
+)
+async def add(
+    state: StateDep,
+    _: WriteKey,
+    label: Annotated[
+        str, Form(description="label name: printable text, at most SNCA_MAX_LABEL_LENGTH")
+    ],
+    images: Annotated[
+        list[UploadFile], File(description="1 to SNCA_MAX_IMAGES_PER_REQUEST images")
+    ],
+    metadata: Annotated[
+        str | None,
+        Form(
+            description='JSON object for all images, or a list with one object per image, e.g. {"sku": "A-17"}'
+        ),
+    ] = None,
+):
+    s = state.settings
+    label = check_label(label, s.max_label_length)
+    if not images:
+        raise HTTPException(422, "at least one image is needed")
+    if len(images) > s.max_images_per_request:
+        raise HTTPException(
+            413, f"{len(images)} images; the limit is {s.max_images_per_request} per request"
+        )
+    md = parse_metadata(metadata, len(images), s.max_metadata_bytes)
+    datas = [await f.read() for f in images]
+    prepared = await run_in_threadpool(
+        lambda: [state.prepare(d, f"images[{i}]") for i, d in enumerate(datas)]
+    )
+    emb = np.stack(await asyncio.gather(*[state.embed(p) for p in prepared]))
+    stored = [
+        (p.data, p.mime) if s.store_images and len(p.data) <= s.max_stored_image_bytes else None
+        for p in prepared
+    ]
+    ids, seq = await run_in_threadpool(state.add, label, emb, md, stored)
+    count = int(state.gallery.counts[state.gallery.label_id[label]])
+    return AddResult(ids=ids, label=label, count=count, gallery_version=seq)
+
+
+@router.get("/labels", response_model=LabelsResult, summary="Labels with their live item counts")
+async def labels(state: StateDep, _: ReadKey):
+    rows = state.gallery.label_table()
+    out = []
+    for name, count, added in rows:
+        src = "added" if added == count else ("trained" if added == 0 else "trained+added")
+        out.append(LabelInfo(label=name, count=count, source=src))
+    return LabelsResult(
+        labels=out, total=sum(r.count for r in out), gallery_version=state.gallery.version
+    )
+
+
+@router.delete(
+    "/labels/{label:path}",
+    response_model=DeleteResult,
+    responses=WRITE_ERRORS | {404: {"model": ErrorBody}},
+    summary="Delete every item of a label",
+)
+async def delete_label(state: StateDep, _: WriteKey, label: str):
+    ids = state.gallery.ids_of(label)
+    if not ids:
+        raise HTTPException(404, f"no label {label!r} in the gallery")
+    rows, seq = await run_in_threadpool(state.delete, ids)
+    return DeleteResult(deleted=sorted(r[0] for r in rows), label=label, gallery_version=seq)
+
+
+@router.delete(
+    "/items/{item_id}",
+    response_model=DeleteResult,
+    responses=WRITE_ERRORS | {404: {"model": ErrorBody}},
+    summary="Delete one item",
+)
+async def delete_item(state: StateDep, _: WriteKey, item_id: int):
+    label = state.gallery.label_of_id(item_id)
+    if label is None:
+        raise HTTPException(404, f"no item {item_id} in the gallery")
+    rows, seq = await run_in_threadpool(state.delete, [item_id])
+    if not rows:
+        raise HTTPException(404, f"no item {item_id} in the gallery")
+    return DeleteResult(deleted=[item_id], label=label, gallery_version=seq)

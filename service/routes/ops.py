@@ -1,0 +1,49 @@
+"""GET /healthz, /readyz, /metrics; POST /admin/snapshot."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..deps import StateDep, WriteKey
+from ..schemas import SnapshotResult
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/healthz", summary="The process is alive")
+async def healthz():
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="Model and index loaded, store writable")
+async def readyz(request: Request):
+    state = request.app.state.snca
+    if not state.ready:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    writable = state.store_writable()
+    body = {
+        "status": "ready" if writable else "degraded",
+        "model_fingerprint": state.fingerprint,
+        "items": state.gallery.size(),
+        "gallery_version": state.gallery.version,
+        "store_writable": writable,
+    }
+    if not writable:
+        body["store_error"] = state.last_write_error or "store path is not writable"
+    return JSONResponse(body, status_code=200 if writable else 503)
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request):
+    body, ctype = request.app.state.snca.metrics.render()
+    return Response(body, media_type=ctype)
+
+
+@router.post(
+    "/admin/snapshot", response_model=SnapshotResult, summary="Write an index snapshot now"
+)
+async def snapshot(state: StateDep, _: WriteKey):
+    seq, path = await run_in_threadpool(state.snapshot)
+    return SnapshotResult(seq=seq, path=str(path))

@@ -1,0 +1,47 @@
+"""POST /search: the nearest gallery items of an image."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, File, HTTPException, Query, UploadFile
+from starlette.concurrency import run_in_threadpool
+
+from ..deps import ReadKey, StateDep
+from ..schemas import SearchItem, SearchResult
+from .classify import ERRORS
+
+router = APIRouter(tags=["search"])
+
+
+@router.post(
+    "/search", response_model=SearchResult, responses=ERRORS, summary="Most similar gallery items"
+)
+async def search(
+    state: StateDep,
+    _: ReadKey,
+    image: Annotated[UploadFile, File(description="query image")],
+    k: Annotated[int, Query(ge=1, le=1000, description="items to return")] = 10,
+    label: Annotated[
+        list[str] | None, Query(description="only items of these labels (repeatable)")
+    ] = None,
+):
+    if label:
+        missing = [lab for lab in label if lab not in state.gallery.label_id]
+        if missing:
+            raise HTTPException(404, f"unknown labels in the filter: {', '.join(missing)}")
+    p = await run_in_threadpool(state.prepare, await image.read(), "image")
+    q = (await state.embed(p))[None, :]
+    sims, ids, _names = await run_in_threadpool(state.gallery.search, q, k, label or None)
+    hits = (
+        [(int(i), float(s)) for i, s in zip(ids[0], sims[0], strict=True) if i >= 0]
+        if len(ids)
+        else []
+    )
+    info = await run_in_threadpool(state.store.items, [i for i, _ in hits])
+    items = [
+        SearchItem(id=i, label=info[i][0], similarity=s, source=info[i][1], metadata=info[i][2])
+        for i, s in hits
+        if i in info  # an item deleted since the search is left out
+    ]
+    return SearchResult(items=items, gallery_version=state.gallery.version)

@@ -1,0 +1,214 @@
+"""Everything the routes share: model, store, gallery, batcher, metrics; start-up and writes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import faiss
+import numpy as np
+import torch
+
+from embedding import load_model
+from embedding.index import STORE_FILE, open_index_dir
+
+from .batcher import MicroBatcher
+from .config import Settings
+from .embedder import Embedder, decode_image
+from .gallery import Classification, Gallery
+from .metrics import Metrics
+from .snapshot import load_snapshot, write_snapshot
+from .store import GalleryStore, StoreUnavailable
+
+log = logging.getLogger("snca.service")
+
+
+@dataclass
+class Job:
+    kind: str  # "classify" or "embed"
+    tensor: torch.Tensor  # (C, H, W)
+    params: tuple = ()  # classify: (vote, k, labels tuple or None, neighbors)
+
+
+@dataclass
+class Prepared:
+    tensor: torch.Tensor
+    data: bytes
+    mime: str
+
+
+class ServiceState:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.metrics = Metrics()
+        self.ready = False
+        self.write_lock = threading.Lock()  # store commit + gallery apply, in sequence order
+        self.writes_since_snapshot = 0
+        self.last_write_error: str | None = None
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ start-up
+    def start(self) -> None:
+        s = self.settings
+        t0 = time.perf_counter()
+        device = torch.device("cuda" if s.device != "cpu" and torch.cuda.is_available() else "cpu")
+        if s.device == "cuda" and device.type != "cuda":
+            raise RuntimeError("SNCA_DEVICE=cuda but no CUDA device is available")
+        model = load_model(s.model)
+        self.fingerprint = model.fingerprint
+        self.embedder = Embedder(model, device)
+        self.embedder.warmup()
+        ix = open_index_dir(s.index, expected_fingerprint=model.fingerprint)
+        self.manifest = ix.manifest
+        self.index_id = ix.manifest.get("index_id", "")
+        s.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = GalleryStore(s.store, ix.path / STORE_FILE, model.fingerprint, self.index_id)
+        last_seq = self.store.last_seq()
+        snap = load_snapshot(s.data_dir, model.fingerprint, self.index_id, last_seq)
+        index, base_seq, tombstones = (
+            (ix.index, 0, set()) if snap is None else (snap.index, snap.seq, snap.tombstones)
+        )
+        g = Gallery(index, ix.manifest["search_params"], ix.dim, model.config.temperature)
+        g.tombstones = tombstones
+        g.load_items(self.store.live_items())
+        # Bring the index up to the store: writes after the snapshot (or after the build).
+        replay_add = self.store.live_items(after_seq=base_seq)
+        for item in replay_add:
+            g._index_add(np.array([item.id], dtype=np.int64), item.embedding[None, :])
+        replay_del = [r for r in self.store.deleted_after(base_seq) if r[3] <= base_seq]
+        if replay_del:
+            g._index_remove(np.array([r[0] for r in replay_del], dtype=np.int64))
+        g.version = last_seq
+        self.gallery = g
+        self.batcher = MicroBatcher(self._run_batch, s.max_batch, s.max_wait_ms, self._on_batch)
+        self._update_gauges()
+        self.ready = True
+        log.info(
+            "ready",
+            extra={
+                "fields": {
+                    "model": str(s.model),
+                    "index": str(s.index),
+                    "store": str(s.store),
+                    "items": g.size(),
+                    "snapshot_seq": base_seq,
+                    "store_seq": last_seq,
+                    "replayed_adds": len(replay_add),
+                    "replayed_deletes": len(replay_del),
+                    "device": str(device),
+                    "seconds": round(time.perf_counter() - t0, 2),
+                }
+            },
+        )
+
+    def stop(self) -> None:
+        self.ready = False
+        if hasattr(self, "store"):
+            self.store.close()
+
+    # ------------------------------------------------------------------ images and batches
+    def prepare(self, data: bytes, name: str) -> Prepared:
+        """Decode + preprocess one upload (runs in a worker thread)."""
+        img, mime = decode_image(data, self.settings.max_image_pixels, name)
+        return Prepared(self.embedder.preprocess(img), data, mime)
+
+    def _run_batch(self, jobs: list[Job]) -> list:
+        """In the model thread: one forward for the whole batch, then classification of the
+        classify jobs grouped by their parameters (one matmul / search per group)."""
+        emb = self.embedder.embed(torch.stack([j.tensor for j in jobs]))  # (B, d)
+        out: list = [None] * len(jobs)
+        groups: dict[tuple, list[int]] = {}
+        for i, j in enumerate(jobs):
+            if j.kind == "embed":
+                out[i] = emb[i]
+            else:
+                groups.setdefault(j.params, []).append(i)
+        for (vote, k, labels, neighbors), idx in groups.items():
+            res = self.gallery.classify(
+                emb[idx], vote, k, list(labels) if labels else None, neighbors
+            )
+            for i, r in zip(idx, res, strict=True):
+                out[i] = r
+        return out
+
+    def _on_batch(self, size: int, waited: float) -> None:
+        self.metrics.batch_size.observe(size)
+        self.metrics.queue_wait.observe(waited)
+
+    async def classify(
+        self, p: Prepared, vote: str, k: int, labels: tuple | None, neighbors: bool
+    ) -> Classification:
+        return await self.batcher.submit(Job("classify", p.tensor, (vote, k, labels, neighbors)))
+
+    async def embed(self, p: Prepared) -> np.ndarray:
+        return await self.batcher.submit(Job("embed", p.tensor))
+
+    # ------------------------------------------------------------------ writes
+    def add(
+        self, label: str, emb: np.ndarray, metadata: list, images: list
+    ) -> tuple[list[int], int]:
+        with self.write_lock:
+            try:
+                seq, ids = self.store.add(label, emb, metadata, images)
+            except StoreUnavailable as e:
+                self.last_write_error = str(e)
+                raise
+            self.last_write_error = None
+            self.gallery.apply_add(ids, label, emb, seq)
+            self._after_write(len(ids))
+            return ids, seq
+
+    def delete(self, ids: list[int]) -> tuple[list, int]:
+        with self.write_lock:
+            try:
+                seq, rows = self.store.delete(ids)
+            except StoreUnavailable as e:
+                self.last_write_error = str(e)
+                raise
+            self.last_write_error = None
+            self.gallery.apply_delete(rows, seq)
+            self._after_write(len(rows))
+            return rows, seq
+
+    def _after_write(self, n: int) -> None:
+        self._update_gauges()
+        self.writes_since_snapshot += 1
+        if (
+            self.settings.snapshot_every
+            and self.writes_since_snapshot >= self.settings.snapshot_every
+        ):
+            threading.Thread(target=self._snapshot_quietly, daemon=True).start()
+
+    def _snapshot_quietly(self) -> None:
+        try:
+            self.snapshot()
+        except Exception:  # a failed snapshot only makes the next start replay more
+            log.exception("snapshot failed")
+
+    def snapshot(self) -> tuple[int, Path]:
+        """Serialize the index (writes paused, reads go on), then write it to disk."""
+        with self.write_lock, self.gallery.lock.read():
+            blob = faiss.serialize_index(self.gallery.index)
+            seq = self.gallery.version
+            tombstones = set(self.gallery.tombstones)
+            self.writes_since_snapshot = 0
+        path = write_snapshot(
+            self.settings.data_dir, blob, seq, tombstones, self.fingerprint, self.index_id
+        )
+        log.info("snapshot written", extra={"fields": {"seq": seq, "path": str(path)}})
+        return seq, path
+
+    def _update_gauges(self) -> None:
+        added = int(self.gallery.added.sum())
+        self.metrics.gallery_items.labels("added").set(added)
+        self.metrics.gallery_items.labels("trained").set(self.gallery.size() - added)
+
+    def store_writable(self) -> bool:
+        p = Path(self.settings.store)
+        return (
+            self.last_write_error is None and os.access(p, os.W_OK) and os.access(p.parent, os.W_OK)
+        )

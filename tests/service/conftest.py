@@ -1,0 +1,118 @@
+"""A tiny real model + index (Fashion-MNIST, five base classes) shared by the service tests."""
+
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from embedding.datasets import load_raw
+from tests.conftest import run_cli
+
+BASE = "1,5,7,8,9"  # Trouser, Sandal, Sneaker, Bag, Ankle boot; T-shirt (0) is added at run time
+
+
+@pytest.fixture(scope="session")
+def base_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("svc") / "run"
+    p = run_cli(
+        "training",
+        "--classes",
+        BASE,
+        "--subset",
+        "2000",
+        "--val-size",
+        "200",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "64",
+        "--no-progress",
+        "--out",
+        out,
+    )
+    assert p.returncode == 0, p.stderr
+    p = run_cli("index_builder", out, "--out", out / "index", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def fmnist_test():
+    return load_raw("fashion-mnist", "test")
+
+
+@pytest.fixture(scope="session")
+def fmnist_train():
+    return load_raw("fashion-mnist", "train")
+
+
+def png(raw, i: int, fmt: str = "PNG") -> bytes:
+    b = io.BytesIO()
+    Image.fromarray(raw.source.get(int(i))[0].numpy()).save(b, fmt)
+    return b.getvalue()
+
+
+def of_class(raw, cls: int, n: int, start: int = 0) -> np.ndarray:
+    return np.nonzero(raw.targets == cls)[0][start : start + n]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A real `python -m service` process on a free loopback port."""
+
+    def __init__(self, run: Path, data_dir: Path, env: dict | None = None, *extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(data_dir.parent / f"server-{self.port}.log", "w")  # noqa: SIM115 (closed in kill)
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "service",
+                "--model",
+                str(run),
+                "--data-dir",
+                str(data_dir),
+                "--port",
+                str(self.port),
+                *extra,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+        )
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.read_log()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not become ready: " + self.read_log())
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-3000:]
+
+    def kill(self, sig=9) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+        self.log.close()

@@ -1,0 +1,413 @@
+"""Routes on a tiny real model and index, through FastAPI's TestClient (lifespan run)."""
+
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.config import Settings
+
+from .conftest import of_class, png
+
+
+def make_client(run, data_dir, **kw):
+    app = create_app(Settings(model=run, data_dir=data_dir, **kw))
+    return TestClient(app)
+
+
+@pytest.fixture()
+def client(base_run, tmp_path):
+    with make_client(base_run, tmp_path / "serve") as c:
+        yield c
+
+
+def img(raw, i):
+    return {"image": ("q.png", png(raw, i), "image/png")}
+
+
+def test_classify_base_images(client, fmnist_test):
+    names = {1: "Trouser", 5: "Sandal", 7: "Sneaker", 8: "Bag", 9: "Ankle boot"}
+    ok = total = 0
+    for cls, name in names.items():
+        for i in of_class(fmnist_test, cls, 6):
+            r = client.post("/classify", files=img(fmnist_test, i))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert set(body) >= {
+                "label",
+                "confidence",
+                "probabilities",
+                "unknown",
+                "gallery_version",
+                "model_fingerprint",
+                "best_similarity",
+                "vote",
+                "k",
+            }
+            assert body["vote"] == "kde" and body["k"] == 30
+            assert 0 < len(body["probabilities"]) <= 5
+            assert abs(sum(p["probability"] for p in body["probabilities"]) - 1) < 0.05
+            assert float(r.headers["x-process-time-ms"]) > 0 and r.headers["x-request-id"]
+            ok += body["label"] == name
+            total += 1
+    assert ok / total >= 0.8, f"{ok}/{total}"
+
+
+def test_votes_neighbors_and_batch(client, fmnist_test):
+    i = of_class(fmnist_test, 8, 1)[0]
+    for vote in ("knn", "prototype", "kde"):
+        r = client.post(
+            "/classify", files=img(fmnist_test, i), params={"vote": vote, "k": 7, "neighbors": True}
+        )
+        body = r.json()
+        assert r.status_code == 200 and body["vote"] == vote and body["k"] == 7
+        assert len(body["neighbors"]) == 7
+        sims = [n["similarity"] for n in body["neighbors"]]
+        assert sims == sorted(sims, reverse=True) and abs(sims[0] - body["best_similarity"]) < 1e-4
+    ids = [*of_class(fmnist_test, 1, 2), *of_class(fmnist_test, 9, 2)]
+    r = client.post(
+        "/classify/batch",
+        files=[("images", (f"{i}.png", png(fmnist_test, i), "image/png")) for i in ids],
+    )
+    labels = [x["label"] for x in r.json()["results"]]
+    assert r.status_code == 200 and len(labels) == 4
+    single = [client.post("/classify", files=img(fmnist_test, i)).json()["label"] for i in ids]
+    assert labels == single  # one result per image, in order
+
+
+def test_add_new_label_then_classify_search_delete(client, fmnist_test, fmnist_train):
+    shots = of_class(fmnist_train, 0, 5)
+    files = [("images", (f"{i}.png", png(fmnist_train, i), "image/png")) for i in shots]
+    md = json.dumps([{"shot": int(i)} for i in shots])
+    r = client.post("/gallery/add", data={"label": "T-shirt/top", "metadata": md}, files=files)
+    assert r.status_code == 200, r.text
+    add = r.json()
+    assert add["label"] == "T-shirt/top" and add["count"] == 5 and len(add["ids"]) == 5
+    v1 = add["gallery_version"]
+    # classifiable by the very next request
+    queries = of_class(fmnist_test, 0, 20)
+    hits = sum(
+        client.post("/classify", files=img(fmnist_test, i)).json()["label"] == "T-shirt/top"
+        for i in queries
+    )
+    assert hits >= 10, hits
+    knn_hits = sum(
+        client.post("/classify", files=img(fmnist_test, i), params={"vote": "knn"}).json()["label"]
+        == "T-shirt/top"
+        for i in queries
+    )
+    assert knn_hits < hits  # the paper's vote is what drowns five exemplars
+    # labels filter restricts the candidates
+    r = client.post(
+        "/classify",
+        files=img(fmnist_test, of_class(fmnist_test, 8, 1)[0]),
+        params={"labels": ["T-shirt/top", "Trouser"]},
+    )
+    assert r.json()["label"] in ("T-shirt/top", "Trouser")
+    assert (
+        client.post("/classify", files=img(fmnist_test, 0), params={"labels": ["Nope"]}).status_code
+        == 404
+    )
+    # search with a label filter returns the added items with their metadata
+    r = client.post(
+        "/search", files=img(fmnist_test, queries[0]), params={"k": 3, "label": "T-shirt/top"}
+    )
+    items = r.json()["items"]
+    assert r.status_code == 200 and len(items) == 3
+    assert all(
+        it["label"] == "T-shirt/top" and it["source"] == "added" and "shot" in it["metadata"]
+        for it in items
+    )
+    # extending a label
+    r = client.post("/gallery/add", data={"label": "T-shirt/top"}, files=files[:2])
+    assert r.json()["count"] == 7 and r.json()["gallery_version"] == v1 + 1
+    labels = {x["label"]: x for x in client.get("/gallery/labels").json()["labels"]}
+    assert labels["T-shirt/top"] == {"label": "T-shirt/top", "count": 7, "source": "added"}
+    assert labels["Trouser"]["source"] == "trained"
+    # delete one item, then the label (label names may contain '/')
+    gone = add["ids"][0]
+    r = client.delete(f"/gallery/items/{gone}")
+    assert r.status_code == 200 and r.json()["deleted"] == [gone]
+    assert client.delete(f"/gallery/items/{gone}").status_code == 404
+    r = client.post(
+        "/search", files=img(fmnist_test, queries[0]), params={"k": 50, "label": "T-shirt/top"}
+    )
+    assert gone not in [it["id"] for it in r.json()["items"]] and len(r.json()["items"]) == 6
+    r = client.delete("/gallery/labels/T-shirt%2Ftop")
+    assert r.status_code == 200 and len(r.json()["deleted"]) == 6
+    assert "T-shirt/top" not in {x["label"] for x in client.get("/gallery/labels").json()["labels"]}
+    assert client.delete("/gallery/labels/T-shirt%2Ftop").status_code == 404
+
+
+def test_delete_trained_items_and_hnsw_tombstones(base_run, tmp_path, fmnist_test):
+    """Flat removes ids from FAISS; HNSW cannot and filters them at search time."""
+    from tests.conftest import run_cli
+
+    p = run_cli(
+        "index_builder",
+        base_run,
+        "--out",
+        tmp_path / "hnsw",
+        "--factory",
+        "HNSW16",
+        "--no-progress",
+    )
+    assert p.returncode == 0, p.stderr
+    with make_client(base_run, tmp_path / "serve", index=tmp_path / "hnsw") as c:
+        q = img(fmnist_test, of_class(fmnist_test, 1, 1)[0])
+        first = c.post("/search", files=q, params={"k": 5}).json()["items"]
+        for it in first[:3]:
+            assert c.delete(f"/gallery/items/{it['id']}").status_code == 200
+        after = [it["id"] for it in c.post("/search", files=q, params={"k": 5}).json()["items"]]
+        assert not set(after) & {it["id"] for it in first[:3]}
+        assert after[:2] == [it["id"] for it in first[3:5]]
+
+
+def test_api_key_on_every_mutating_route(base_run, tmp_path, fmnist_test):
+    with make_client(base_run, tmp_path / "serve", api_key="s3cret") as c:
+        f = {"images": ("a.png", png(fmnist_test, 0), "image/png")}
+        routes = [
+            ("post", "/gallery/add", {"data": {"label": "x"}, "files": f}),
+            ("delete", "/gallery/labels/Trouser", {}),
+            ("delete", "/gallery/items/1", {}),
+            ("post", "/admin/snapshot", {}),
+        ]
+        for method, path, kw in routes:
+            assert getattr(c, method)(path, **kw).status_code == 401, path
+            assert (
+                getattr(c, method)(path, headers={"X-API-Key": "wrong"}, **kw).status_code == 401
+            ), path
+        assert (
+            c.post(
+                "/gallery/add", data={"label": "x"}, files=f, headers={"X-API-Key": "s3cret"}
+            ).status_code
+            == 200
+        )
+        assert c.post("/admin/snapshot", headers={"X-API-Key": "s3cret"}).status_code == 200
+        assert c.post("/classify", files=img(fmnist_test, 0)).status_code == 200  # reads stay open
+        assert c.get("/gallery/labels").status_code == 200
+    with make_client(base_run, tmp_path / "serve2", api_key="s3cret", protect_reads=True) as c:
+        assert c.post("/classify", files=img(fmnist_test, 0)).status_code == 401
+        assert c.get("/gallery/labels").status_code == 401
+        assert c.get("/gallery/labels", headers={"X-API-Key": "s3cret"}).status_code == 200
+        assert c.get("/healthz").status_code == 200
+
+
+def _png_header(w, h):
+    def chunk(kind, data):
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+        + chunk(b"IEND", b"")
+    )
+
+
+def test_bad_input_table(client, fmnist_test):
+    good = png(fmnist_test, 0)
+    cases = [
+        ("no image field", "post", "/classify", {}, 422),
+        (
+            "wrong field name",
+            "post",
+            "/classify",
+            {"files": {"file": ("a.png", good, "image/png")}},
+            422,
+        ),
+        (
+            "0-byte file",
+            "post",
+            "/classify",
+            {"files": {"image": ("a.png", b"", "image/png")}},
+            400,
+        ),
+        (
+            "truncated PNG",
+            "post",
+            "/classify",
+            {"files": {"image": ("a.png", good[: len(good) // 2], "image/png")}},
+            400,
+        ),
+        (
+            "text named .png",
+            "post",
+            "/classify",
+            {"files": {"image": ("a.png", b"hello, world\n" * 20, "image/png")}},
+            415,
+        ),
+        (
+            "20000x20000 PNG",
+            "post",
+            "/classify",
+            {"files": {"image": ("a.png", _png_header(20000, 20000), "image/png")}},
+            413,
+        ),
+        ("k = 0", "post", "/classify?k=0", {"files": {"image": ("a.png", good, "image/png")}}, 422),
+        (
+            "k = 10^6",
+            "post",
+            "/classify?k=1000000",
+            {"files": {"image": ("a.png", good, "image/png")}},
+            422,
+        ),
+        (
+            "unknown vote",
+            "post",
+            "/classify?vote=majority",
+            {"files": {"image": ("a.png", good, "image/png")}},
+            422,
+        ),
+        (
+            "huge label",
+            "post",
+            "/gallery/add",
+            {"data": {"label": "x" * 10000}, "files": {"images": ("a.png", good, "image/png")}},
+            422,
+        ),
+        (
+            "empty label",
+            "post",
+            "/gallery/add",
+            {"data": {"label": "   "}, "files": {"images": ("a.png", good, "image/png")}},
+            422,
+        ),
+        (
+            "control chars in label",
+            "post",
+            "/gallery/add",
+            {"data": {"label": "a\x00b"}, "files": {"images": ("a.png", good, "image/png")}},
+            422,
+        ),
+        (
+            "bad JSON metadata",
+            "post",
+            "/gallery/add",
+            {
+                "data": {"label": "x", "metadata": "{nope"},
+                "files": {"images": ("a.png", good, "image/png")},
+            },
+            422,
+        ),
+        (
+            "metadata list of wrong length",
+            "post",
+            "/gallery/add",
+            {
+                "data": {"label": "x", "metadata": "[{}, {}]"},
+                "files": {"images": ("a.png", good, "image/png")},
+            },
+            422,
+        ),
+        ("add without images", "post", "/gallery/add", {"data": {"label": "x"}}, 422),
+        (
+            "65 images",
+            "post",
+            "/gallery/add",
+            {"data": {"label": "x"}, "files": [("images", ("a.png", good, "image/png"))] * 65},
+            413,
+        ),
+        ("unknown label delete", "delete", "/gallery/labels/NoSuchLabel", {}, 404),
+        ("unknown item delete", "delete", "/gallery/items/987654321", {}, 404),
+        ("non-integer item id", "delete", "/gallery/items/abc", {}, 422),
+        (
+            "search k = 0",
+            "post",
+            "/search?k=0",
+            {"files": {"image": ("a.png", good, "image/png")}},
+            422,
+        ),
+        (
+            "GIF is fine",
+            "post",
+            "/classify",
+            {"files": {"image": ("a.gif", png(fmnist_test, 0, "GIF"), "image/gif")}},
+            200,
+        ),
+        (
+            "JPEG is fine",
+            "post",
+            "/classify",
+            {"files": {"image": ("a.jpg", png(fmnist_test, 0, "JPEG"), "image/jpeg")}},
+            200,
+        ),
+    ]
+    before = client.get("/gallery/labels").json()
+    for name, method, path, kw, expect in cases:
+        r = getattr(client, method)(path, **kw)
+        assert r.status_code == expect, f"{name}: {r.status_code} {r.text}"
+        assert "Traceback" not in r.text, name
+        if expect >= 400:
+            assert r.json()["detail"], name
+        assert client.get("/healthz").status_code == 200
+    assert client.get("/gallery/labels").json() == before  # nothing stored by any of them
+
+
+def test_upload_limit(base_run, tmp_path, fmnist_test):
+    with make_client(base_run, tmp_path / "serve", max_upload_bytes=2048) as c:
+        big = np.random.default_rng(0).integers(0, 255, (64, 64), dtype=np.uint8)
+        import io
+
+        from PIL import Image
+
+        b = io.BytesIO()
+        Image.fromarray(big).save(b, "PNG")
+        r = c.post("/classify", files={"image": ("a.png", b.getvalue(), "image/png")})
+        assert r.status_code == 413 and "limit" in r.json()["detail"]
+        assert c.post("/classify", files=img(fmnist_test, 0)).status_code == 200
+
+
+def test_store_unavailable_answers_503_and_changes_nothing(client, fmnist_test, monkeypatch):
+    from service.store import StoreUnavailable
+
+    state = client.app.state.snca
+
+    def full(*a, **k):
+        raise StoreUnavailable("the gallery store cannot be written: database or disk is full")
+
+    monkeypatch.setattr(state.store, "_write", full)
+    before = client.get("/gallery/labels").json()
+    r = client.post(
+        "/gallery/add",
+        data={"label": "x"},
+        files={"images": ("a.png", png(fmnist_test, 0), "image/png")},
+    )
+    assert r.status_code == 503 and "disk is full" in r.json()["detail"]
+    assert client.get("/readyz").status_code == 503
+    assert client.get("/gallery/labels").json() == before
+    assert client.post("/classify", files=img(fmnist_test, 0)).status_code == 200  # reads go on
+
+
+def test_metrics_and_openapi(client, fmnist_test):
+    client.post("/classify", files=img(fmnist_test, 0))
+    text = client.get("/metrics").text
+    for name in (
+        "snca_requests_total",
+        "snca_request_seconds",
+        "snca_batch_size",
+        "snca_queue_wait_seconds",
+        "snca_gallery_items",
+        "snca_unknown_total",
+    ):
+        assert name in text, name
+    spec = client.get("/openapi.json").json()
+    for path in (
+        "/classify",
+        "/classify/batch",
+        "/gallery/add",
+        "/search",
+        "/gallery/labels",
+        "/gallery/labels/{label}",
+        "/gallery/items/{item_id}",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    ):
+        assert path in spec["paths"], path
+    assert client.get("/docs").status_code == 200
