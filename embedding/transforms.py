@@ -26,6 +26,8 @@ class ToChannels:
         self.channels = channels
 
     def __call__(self, img):
+        if isinstance(img, Image.Image) and img.mode == "L" and self.channels == 1:
+            return torch.from_numpy(np.array(img))[None]  # fast path: greyscale in, greyscale out
         if isinstance(img, Image.Image):
             if img.mode in ("I;16", "I;16B", "I;16L", "I"):
                 # 16/32-bit greyscale: scale to 8 bit instead of clipping.
@@ -70,6 +72,36 @@ def _normalize_ops(cfg: ModelConfig) -> list:
 def eval_transform(cfg: ModelConfig) -> v2.Compose:
     """Deterministic preprocessing used for evaluation, index building and serving."""
     return v2.Compose([ToChannels(cfg.in_channels), *_resize_ops(cfg), *_normalize_ops(cfg)])
+
+
+class _Geometry:
+    """ToChannels + the eval resize, skipping the resize when a small image already has the
+    model's size (v2.Resize to the same size is the identity; this saves ~40 us per image)."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.channels = ToChannels(cfg.in_channels)
+        self.size = (cfg.image_size, cfg.image_size)
+        self.small = cfg.image_size <= SMALL_IMAGE
+        self.resize = v2.Compose(_resize_ops(cfg))
+
+    def __call__(self, img) -> torch.Tensor:
+        t = self.channels(img)
+        if self.small and tuple(t.shape[-2:]) == self.size:
+            return t
+        return self.resize(t)
+
+
+def eval_geometry(cfg: ModelConfig) -> _Geometry:
+    """The first half of `eval_transform`: any image -> uint8 (C, H, W) at the model's size.
+    The service runs this per image and `normalize_batch` once per micro-batch, which is the
+    same arithmetic as `eval_transform` (tested) at a fraction of the per-image overhead."""
+    return _Geometry(cfg)
+
+
+def normalize_batch(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The second half of `eval_transform` on a stacked uint8 batch (B, C, H, W) -> float."""
+    x = v2.functional.to_dtype(x, torch.float32, scale=True)
+    return v2.functional.normalize(x, list(cfg.mean), list(cfg.std))
 
 
 def train_transform(cfg: ModelConfig) -> v2.Compose:

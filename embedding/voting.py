@@ -43,20 +43,40 @@ def prototype_probs(
     return _softmax_or_zero(logits)
 
 
+def kde_dtype(temperature: float) -> torch.dtype:
+    """float64 when 2/σ leaves float32's exp range (as the NCA loss does)."""
+    return torch.float64 if 2.0 / temperature > 80.0 else torch.float32
+
+
+def kde_prepare(
+    labels: torch.Tensor, num_classes: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What kde_log_density needs from the gallery's labels alone (the service caches it until
+    the gallery changes): labels (N,) with deleted items (-1) moved to a spare column C, and
+    the live count per label (C,)."""
+    lab = torch.where(labels >= 0, labels, num_classes)  # (N,)
+    counts = torch.bincount(lab, minlength=num_classes + 1)[:num_classes]  # (C,)
+    return lab, counts.to(kde_dtype(temperature))
+
+
 def kde_log_density(
-    similarities: torch.Tensor, labels: torch.Tensor, num_classes: int, temperature: float
+    similarities: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    temperature: float,
+    prepared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """log f_c(q) = log((1/n_c) Σ_{j: y_j=c} exp(s_j/σ)) for every label.
 
-    similarities (Q, N) to every gallery item; labels (N,) int64 in [0, C), -1 = deleted item.
-    Returns (Q, C); -inf for labels without items. Shifted by 1/σ (s <= 1) so nothing overflows;
-    float64 when 2/σ leaves float32's exp range (as the NCA loss does).
+    similarities (Q, N) to every gallery item; labels (N,) int64 in [0, C), -1 = deleted item;
+    `prepared` = kde_prepare(labels, ...) when the caller has it. Returns (Q, C); -inf for
+    labels without items. Shifted by 1/σ (s <= 1) so nothing overflows.
     """
-    dtype = torch.float64 if 2.0 / temperature > 80.0 else torch.float32
+    dtype = kde_dtype(temperature)
+    lab, counts = (
+        prepared if prepared is not None else kde_prepare(labels, num_classes, temperature)
+    )
     s = similarities.to(dtype)
-    live = labels >= 0
-    lab = torch.where(live, labels, num_classes)  # deleted items go to a spare column
-    counts = torch.bincount(lab, minlength=num_classes + 1)[:num_classes].to(dtype)  # (C,)
     w = torch.exp((s - 1.0) / temperature)  # (Q, N)
     sums = torch.zeros(s.shape[0], num_classes + 1, dtype=dtype, device=s.device)
     sums.scatter_add_(1, lab.unsqueeze(0).expand(s.shape[0], -1), w)  # (Q, C+1)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import logging
+import os
 import time
-import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, HTTPException, Request
@@ -43,12 +45,19 @@ class RequestContext:
     def __init__(self, app, state: ServiceState):
         self.app = app
         self.state = state
+        # Request ids: a random per-process prefix and a counter (unique, and no syscall per
+        # request as uuid4 makes).
+        self._prefix = os.urandom(4).hex()
+        self._counter = itertools.count(1)
+
+    def _next_id(self) -> str:
+        return f"{self._prefix}-{next(self._counter):x}"
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or uuid.uuid4().hex[:16]
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or self._next_id()
         token = request_id.set(rid)
         limit = self.state.settings.max_upload_bytes
         t0 = time.perf_counter()
@@ -154,7 +163,17 @@ def create_app(settings: Settings | None = None, state: ServiceState | None = No
             await state.batcher.stop()  # in-flight batches finish
             state.stop()
 
-    app = FastAPI(title="snca", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    kw = {}
+    if "telemetry" in inspect.signature(FastAPI).parameters:
+        # FastAPI >= 0.16x traces every request through OpenTelemetry hooks (tens of us per
+        # request even with no provider); /metrics already covers what we need.
+        kw["telemetry"] = {
+            "tracing": False,
+            "metrics": False,
+            "logs": False,
+            "operation_spans": False,
+        }
+    app = FastAPI(title="snca", version="0.1.0", description=DESCRIPTION, lifespan=lifespan, **kw)
     app.state.snca = state
     for r in (classify.router, gallery.router, search.router, ops.router):
         app.include_router(r)

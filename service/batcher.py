@@ -30,8 +30,14 @@ class MicroBatcher:
         self.on_batch = on_batch  # (batch size, oldest queue wait in s) for metrics
         self._queue: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
+        # One model thread for the process: every forward pass (and the warm-up) runs on it, so
+        # the math library keeps a single thread team instead of one per calling thread.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.in_flight = 0
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the model thread and wait (for start-up work such as the warm-up)."""
+        return self._executor.submit(fn).result()
 
     def start(self) -> None:
         self._queue = asyncio.Queue()

@@ -40,7 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-batch", type=positive_int, help="micro-batcher: images per forward pass (64)"
     )
-    p.add_argument("--max-wait-ms", type=float, help="micro-batcher: wait for more requests (2 ms)")
+    p.add_argument("--max-wait-ms", type=float, help="micro-batcher: wait for more requests (0 ms)")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        help="CPU threads for the forward pass (0 = automatic: cores - 1 for a light model, "
+        "all cores for a heavy one)",
+    )
     p.add_argument(
         "--snapshot-every", type=int, help="snapshot the index every N writes (1000; 0 = on demand)"
     )
@@ -82,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"snca-serve: error: {e}", file=sys.stderr)
         return 2
     app = create_app(state=state)
+    import gc
+
+    # Start-up made ~1M long-lived objects (torch, FastAPI); keep full collections from
+    # walking them on every cycle (they showed up as latency spikes under load).
+    gc.collect()
+    gc.freeze()
     print(
         f"snca-serve: {state.gallery.size()} items, {len(state.gallery.labels)} labels; "
         f"listening on http://{settings.host}:{settings.port} (docs at /docs)",

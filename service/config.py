@@ -47,8 +47,25 @@ class Settings(BaseSettings):
 
     # batching
     max_batch: int = Field(64, ge=1, le=4096, description="micro-batcher: images per forward pass")
-    max_wait_ms: float = Field(2.0, ge=0.0, le=1000.0, description="micro-batcher: wait for more")
-    workers: int = Field(2, ge=1, le=64, description="threads for decoding images and searching")
+    max_wait_ms: float = Field(
+        0.0,
+        ge=0.0,
+        le=1000.0,
+        description="micro-batcher: wait this long for more requests (0: none; batches still "
+        "fill with the requests that arrive while the previous batch runs)",
+    )
+    optimize: bool = Field(
+        True,
+        description="CPU: serve a traced, BatchNorm-folded oneDNN copy of the model (checked "
+        "against the eager model at start; falls back to it)",
+    )
+    torch_threads: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="CPU threads for the model's forward pass (0: automatic, one less than the "
+        "cores for a light model such as conv4, every core for a heavy one such as ResNet)",
+    )
 
     # limits
     max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="per request body")

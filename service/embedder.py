@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from embedding.inference import autocast_context
+from embedding.inference import autocast_context, optimize_for_cpu
 from embedding.model import EmbeddingNet
-from embedding.transforms import eval_transform
+from embedding.transforms import eval_geometry, normalize_batch
 
 # What the service accepts, by the format Pillow reads from the bytes (never the filename).
 FORMATS = {
@@ -33,30 +33,34 @@ class ImageError(Exception):
         self.message = message
 
 
-def decode_image(data: bytes, max_pixels: int, name: str = "image") -> tuple[Image.Image, str]:
-    """bytes -> (RGB/L/... PIL image with EXIF orientation applied, MIME type).
-
-    415 for anything that is not one of FORMATS, 413 above `max_pixels`, 400 for a file that
-    claims a format but does not decode (truncated, corrupt, decompression bomb)."""
+def open_image(data: bytes, max_pixels: int, name: str = "image") -> Image.Image:
+    """Read and check the header only (cheap): 415 for anything that is not one of FORMATS,
+    413 above `max_pixels`, 400 for an empty file or no pixels."""
     if not data:
         raise ImageError(400, f"{name}: the file is empty")
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
     except UnidentifiedImageError:
-        raise ImageError(
-            415, f"{name}: not an image ({', '.join(FORMATS)} are accepted)"
-        ) from None
+        raise ImageError(415, f"{name}: not an image ({', '.join(FORMATS)} are accepted)") from None
     except Image.DecompressionBombError as e:
         raise ImageError(413, f"{name}: too many pixels ({e})") from None
     except (OSError, ValueError) as e:
         raise ImageError(400, f"{name}: cannot be decoded: {e}") from None
     if img.format not in FORMATS:
-        raise ImageError(415, f"{name}: {img.format} images are not accepted ({', '.join(FORMATS)} are)")
+        raise ImageError(
+            415, f"{name}: {img.format} images are not accepted ({', '.join(FORMATS)} are)"
+        )
     w, h = img.size
     if w < 1 or h < 1:
         raise ImageError(400, f"{name}: the image has no pixels ({w}x{h})")
     if w * h > max_pixels:
         raise ImageError(413, f"{name}: {w}x{h} = {w * h} pixels; the limit is {max_pixels}")
+    return img
+
+
+def load_image(img: Image.Image, name: str = "image") -> tuple[Image.Image, str]:
+    """Decode an `open_image` result: first frame of animations, EXIF orientation applied.
+    400 for a file that claims a format but does not decode (truncated, corrupt, bomb)."""
     fmt = img.format
     try:
         with warnings.catch_warnings():
@@ -76,6 +80,11 @@ def decode_image(data: bytes, max_pixels: int, name: str = "image") -> tuple[Ima
     return img, FORMATS[fmt]
 
 
+def decode_image(data: bytes, max_pixels: int, name: str = "image") -> tuple[Image.Image, str]:
+    """bytes -> (PIL image with EXIF orientation applied, MIME type); see the two halves."""
+    return load_image(open_image(data, max_pixels, name), name)
+
+
 class Embedder:
     """The model in eval mode with its eval transform (both from the model card)."""
 
@@ -83,25 +92,44 @@ class Embedder:
         self.model = model.to(device).eval()
         self.device = device
         self.amp = amp
-        self.transform = eval_transform(model.config)
+        self.geometry = eval_geometry(model.config)
         self.dim = model.config.embedding_dim
+        self.runner: torch.nn.Module = self.model  # what embed() calls; see optimize()
+        self.mode = "eager"
+
+    def optimize(self) -> str:
+        """On CPU, swap in the traced oneDNN module (checked against eager; falls back to it).
+        Call on the thread that will run the model."""
+        if self.device.type == "cpu":
+            c, s = self.model.config.in_channels, self.model.config.image_size
+            g = torch.Generator().manual_seed(0)
+            example = torch.randint(0, 256, (8, c, s, s), dtype=torch.uint8, generator=g)
+            self.runner, self.mode = optimize_for_cpu(
+                self.model, normalize_batch(example, self.model.config)
+            )
+        return self.mode
 
     def preprocess(self, img: Image.Image) -> torch.Tensor:
-        """PIL image -> normalised (C, H, W) float tensor."""
+        """PIL image -> uint8 (C, H, W) at the model's size; `embed` normalises the batch."""
         try:
-            return self.transform(img)
+            return self.geometry(img)
         except (OSError, ValueError) as e:
             raise ImageError(400, f"image cannot be converted: {e}") from None
 
     @torch.inference_mode()
     def embed(self, batch: torch.Tensor) -> np.ndarray:
-        """(B, C, H, W) -> (B, d) float32 unit rows (numpy)."""
+        """(B, C, H, W) uint8 images from `preprocess` (or already normalised floats)
+        -> (B, d) float32 unit rows (numpy)."""
+        batch = batch.to(self.device, non_blocking=True)
+        if batch.dtype == torch.uint8:  # the second half of the eval transform, once per batch
+            batch = normalize_batch(batch, self.model.config)
         with autocast_context(self.device, self.amp):
-            v = self.model(batch.to(self.device, non_blocking=True))
+            v = self.runner(batch)
         return v.float().cpu().numpy()
 
-    def warmup(self, sizes=(1, 8)) -> None:
-        """One forward per batch size so the first request is not the slow one."""
+    def warmup(self, sizes=(1, 2, 8, 64)) -> None:
+        """Forwards at a few batch sizes (twice: the traced module specialises on its first
+        calls) so that the first requests are not the slow ones."""
         c, s = self.model.config.in_channels, self.model.config.image_size
-        for b in sizes:
-            self.embed(torch.zeros(b, c, s, s))
+        for b in [*sizes, *sizes]:
+            self.embed(torch.zeros(b, c, s, s, dtype=torch.uint8))

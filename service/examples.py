@@ -1,6 +1,6 @@
 """Write a few Fashion-MNIST test images as PNG files, for trying the service with curl.
 
-    python -m service.examples runs/demo/examples
+python -m service.examples runs/demo/examples
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import faiss
 import numpy as np
 import torch
 
-from embedding.voting import kde_log_density, knn_probs, prototype_probs
+from embedding.voting import kde_log_density, kde_prepare, knn_probs, prototype_probs
 
 from .store import Item
 
@@ -86,6 +86,8 @@ class Gallery:
         self._row_id = np.full(1024, -1, dtype=np.int64)
         self._rows = 0
         self._row_of: dict[int, int] = {}
+        self._epoch = 0  # bumped whenever rows or their labels change (invalidates _cache)
+        self._cache: tuple | None = None
 
     # ------------------------------------------------------------------ building
     def _label(self, name: str) -> int:
@@ -113,6 +115,7 @@ class Gallery:
         for i, item_id in enumerate(ids):
             self._row_of[int(item_id)] = r + i
         self._rows += n
+        self._epoch += 1
 
     def load_items(self, items: list[Item]) -> None:
         """Dense matrix and label statistics from every live item of the store (start-up)."""
@@ -177,6 +180,7 @@ class Gallery:
                 if source == "added":
                     self.added[c] -= 1
                 self.sums[c] -= emb.astype(np.float64)
+            self._epoch += 1
             self.version = max(self.version, seq)
             self._maybe_compact()
 
@@ -194,6 +198,26 @@ class Gallery:
         self._row_id[m:n] = -1
         self._rows = m
         self._row_of = {int(i): r for r, i in enumerate(self._row_id[:m])}
+        self._epoch += 1
+
+    def _unfiltered(self) -> tuple:
+        """Per-gallery-state tensors every unfiltered classify needs, cached until the rows
+        change: (row labels (n,), live mask, any live, all live, kde_prepare result)."""
+        c = self._cache
+        if c is not None and c[0] == (self._epoch, len(self.labels)):
+            return c[1]
+        row_label = self._row_label[: self._rows]
+        live = row_label >= 0
+        lab_t = torch.from_numpy(row_label.copy())
+        v = (
+            row_label.copy(),
+            live,
+            bool(live.any()),
+            bool(live.all()),
+            kde_prepare(lab_t, len(self.labels), self.temperature),
+        )
+        self._cache = ((self._epoch, len(self.labels)), v)
+        return v
 
     # ------------------------------------------------------------------ reads
     def size(self) -> int:
@@ -286,16 +310,22 @@ class Gallery:
             allowed, allowed_labels = self._allowed(labels)
             qt = torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
             n = self._rows
-            row_label = self._row_label[:n]
-            if allowed_labels is not None:
+            if allowed_labels is None:
+                row_label, live, any_live, all_live, prepared = self._unfiltered()
+            else:
+                row_label = self._row_label[:n]
                 row_label = np.where(np.isin(row_label, allowed_labels), row_label, -1)
-            live = row_label >= 0
+                live = row_label >= 0
+                any_live, all_live, prepared = bool(live.any()), bool(live.all()), None
             emb = torch.from_numpy(self._emb[:n])
             sims_all = qt @ emb.T if n else torch.zeros(len(q), 0)  # (B, n)
-            if live.any():
-                best = sims_all[:, torch.from_numpy(live)].max(dim=1).values.numpy()
-            else:
+            if not any_live:
                 best = np.full(len(q), -1.0)
+            elif all_live:
+                best = sims_all.max(dim=1).values.numpy()
+            else:  # (B, n) with dead/filtered columns at -inf, no copy of the kept columns
+                best = sims_all.masked_fill(~torch.from_numpy(live), -torch.inf)
+                best = best.max(dim=1).values.numpy()
             hits = None
             if vote == "knn" or neighbors:
                 kk = min(k, int(live.sum()))
@@ -322,35 +352,37 @@ class Gallery:
                 )
             else:  # kde
                 lab = torch.from_numpy(row_label)
+                logd = kde_log_density(sims_all, lab, c, self.temperature, prepared)  # (B, c)
                 probs = (
-                    torch.softmax(
-                        kde_log_density(sims_all, lab, c, self.temperature).nan_to_num(
-                            neginf=-1e30
-                        ),
-                        dim=1,
-                    )
-                    if live.any()
+                    torch.softmax(logd.nan_to_num(neginf=-1e30), dim=1)
+                    if any_live
                     else torch.zeros(len(q), c)
                 )
-            out = []
+            # Top labels for the whole batch at once; Python only walks the small lists.
             top = min(5, c)
+            if c:
+                vals, idx = probs.topk(top, dim=1)
+                vals, idx, total = vals.tolist(), idx.tolist(), probs.sum(dim=1).tolist()
+            best = best.tolist()
+            out = []
             for b in range(len(q)):
-                p = probs[b]
-                if c == 0 or float(p.sum()) <= 0:
-                    out.append(Classification(None, 0.0, [], float(best[b]), []))
+                if c == 0 or total[b] <= 0:
+                    out.append(Classification(None, 0.0, [], best[b], []))
                     continue
-                vals, idx = p.topk(top)
-                pr = [
-                    (self.labels[int(i)], float(v)) for v, i in zip(vals, idx, strict=True) if v > 0
-                ]
+                pr = [(self.labels[i], v) for v, i in zip(vals[b], idx[b], strict=True) if v > 0]
                 nb = []
                 if neighbors and hits is not None:
                     nb = [
-                        (int(i), self.labels[int(li)], float(s))
-                        for s, i, li in zip(hits[0][b], hits[1][b], hits[2][b], strict=True)
+                        (i, self.labels[li], s)
+                        for s, i, li in zip(
+                            hits[0][b].tolist(),
+                            hits[1][b].tolist(),
+                            hits[2][b].tolist(),
+                            strict=True,
+                        )
                         if i >= 0 and li >= 0
                     ]
-                out.append(Classification(pr[0][0], pr[0][1], pr, float(best[b]), nb))
+                out.append(Classification(pr[0][0], pr[0][1], pr, best[b], nb))
             return out
 
     def _label_of_row_id(self, item_id: int) -> int:

@@ -12,19 +12,26 @@ from pathlib import Path
 import faiss
 import numpy as np
 import torch
+from starlette.concurrency import run_in_threadpool
 
 from embedding import load_model
 from embedding.index import STORE_FILE, open_index_dir
 
 from .batcher import MicroBatcher
 from .config import Settings
-from .embedder import Embedder, decode_image
+from .embedder import Embedder, load_image, open_image
 from .gallery import Classification, Gallery
 from .metrics import Metrics
 from .snapshot import load_snapshot, write_snapshot
 from .store import GalleryStore, StoreUnavailable
 
 log = logging.getLogger("snca.service")
+
+# Images up to this many pixels (per request) are decoded on the event loop: ~50 us for a
+# 28x28 PNG, against ~150 us+ for a hop to a worker thread and back under load.
+INLINE_PIXELS = 96 * 96
+# A model slower than this per image (on one thread) gets every core; see _auto_threads.
+HEAVY_MODEL_MS = 2.0
 
 
 @dataclass
@@ -61,7 +68,17 @@ class ServiceState:
         model = load_model(s.model)
         self.fingerprint = model.fingerprint
         self.embedder = Embedder(model, device)
-        self.embedder.warmup()
+        self.batcher = MicroBatcher(self._run_batch, s.max_batch, s.max_wait_ms, self._on_batch)
+
+        def prepare_model() -> None:  # on the model thread, which runs every forward
+            torch.set_num_threads(1)
+            if s.optimize:
+                self.embedder.optimize()
+            self.embedder.warmup()
+            self.torch_threads = s.torch_threads or self._auto_threads()
+            torch.set_num_threads(self.torch_threads)
+
+        self.batcher.call(prepare_model)
         ix = open_index_dir(s.index, expected_fingerprint=model.fingerprint)
         self.manifest = ix.manifest
         self.index_id = ix.manifest.get("index_id", "")
@@ -84,7 +101,6 @@ class ServiceState:
             g._index_remove(np.array([r[0] for r in replay_del], dtype=np.int64))
         g.version = last_seq
         self.gallery = g
-        self.batcher = MicroBatcher(self._run_batch, s.max_batch, s.max_wait_ms, self._on_batch)
         self._update_gauges()
         self.ready = True
         log.info(
@@ -100,10 +116,28 @@ class ServiceState:
                     "replayed_adds": len(replay_add),
                     "replayed_deletes": len(replay_del),
                     "device": str(device),
+                    "model_mode": self.embedder.mode,
+                    "torch_threads": self.torch_threads,
                     "seconds": round(time.perf_counter() - t0, 2),
                 }
             },
         )
+
+    def _auto_threads(self) -> int:
+        """Threads for the forward pass when SNCA_TORCH_THREADS is 0. The event loop needs
+        about half a millisecond of one core per request (HTTP, multipart, decoding). A light
+        model (conv4: ~0.2 ms per image) leaves the loop a core of its own, cores - 1; a heavy
+        one (ResNet: several ms per image) is the bottleneck, so it gets every core."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = cores or 1
+        if cores == 1 or self.embedder.device.type != "cpu":
+            return max(1, cores - 1)
+        c, size = self.embedder.model.config.in_channels, self.embedder.model.config.image_size
+        x = torch.zeros(32, c, size, size, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        self.embedder.embed(x)
+        per_image_ms = (time.perf_counter() - t0) / 32 * 1000
+        return cores if per_image_ms > HEAVY_MODEL_MS else cores - 1
 
     def stop(self) -> None:
         self.ready = False
@@ -112,9 +146,26 @@ class ServiceState:
 
     # ------------------------------------------------------------------ images and batches
     def prepare(self, data: bytes, name: str) -> Prepared:
-        """Decode + preprocess one upload (runs in a worker thread)."""
-        img, mime = decode_image(data, self.settings.max_image_pixels, name)
+        """Decode + preprocess one upload (blocking; see `prepare_async`)."""
+        return self._finish(open_image(data, self.settings.max_image_pixels, name), data, name)
+
+    def _finish(self, img, data: bytes, name: str) -> Prepared:
+        img, mime = load_image(img, name)
         return Prepared(self.embedder.preprocess(img), data, mime)
+
+    async def prepare_async(self, datas: list[bytes], names: list[str]) -> list[Prepared]:
+        """Decode + preprocess uploads. The header is read on the event loop (cheap, bounded);
+        small images (at most INLINE_PIXELS in all, e.g. 28x28 or 64x64) are decoded there
+        too, because a thread hop costs more than decoding them; larger ones in a thread."""
+        imgs = [
+            open_image(d, self.settings.max_image_pixels, n)
+            for d, n in zip(datas, names, strict=True)
+        ]
+        if sum(i.size[0] * i.size[1] for i in imgs) <= INLINE_PIXELS:
+            return [self._finish(i, d, n) for i, d, n in zip(imgs, datas, names, strict=True)]
+        return await run_in_threadpool(
+            lambda: [self._finish(i, d, n) for i, d, n in zip(imgs, datas, names, strict=True)]
+        )
 
     def _run_batch(self, jobs: list[Job]) -> list:
         """In the model thread: one forward for the whole batch, then classification of the

@@ -284,7 +284,10 @@ def write_curves(path: Path, metrics: list[dict], title: str) -> None:
     for key in sorted({k for m in metrics for k in m if k.startswith("val_") and "top1" in k}):
         axes[1].plot(ep, [m.get(key, float("nan")) for m in metrics], marker="o", label=key[4:])
     axes[1].set(title="validation top-1 (%)", xlabel="epoch")
-    axes[1].legend(fontsize=8)
+    if axes[1].get_lines():
+        axes[1].legend(fontsize=8)
+    else:  # --val-size 0: nothing to plot
+        axes[1].text(0.5, 0.5, "no validation split", ha="center", va="center")
     axes[2].plot(ep, [m["lr"] for m in metrics], marker="o", label="lr")
     axes[2].plot(ep, [m["memory_momentum"] for m in metrics], marker="o", label="memory momentum")
     axes[2].set(title="schedules", xlabel="epoch")
@@ -530,8 +533,9 @@ def _train(cfg, dist, device, stage, resuming, log, progress) -> RunResult:
                 if f"val_knn_top1@{k}" in rec
             )
             extra = f", softmax {rec['val_softmax_top1']:.2f}%" if "val_softmax_top1" in rec else ""
+            val = f", val {knn}{extra}" if knn or extra else " (no validation split)"
             log(
-                f"epoch {epoch + 1}/{cfg.epochs}: loss {rec['train_loss']:.4f}, val {knn}{extra} "
+                f"epoch {epoch + 1}/{cfg.epochs}: loss {rec['train_loss']:.4f}{val} "
                 f"({rec['epoch_seconds']:.0f}s)"
             )
         dist.barrier()

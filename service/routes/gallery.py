@@ -58,9 +58,7 @@ async def add(
         )
     md = parse_metadata(metadata, len(images), s.max_metadata_bytes)
     datas = [await f.read() for f in images]
-    prepared = await run_in_threadpool(
-        lambda: [state.prepare(d, f"images[{i}]") for i, d in enumerate(datas)]
-    )
+    prepared = await state.prepare_async(datas, [f"images[{i}]" for i in range(len(datas))])
     emb = np.stack(await asyncio.gather(*[state.embed(p) for p in prepared]))
     stored = [
         (p.data, p.mime) if s.store_images and len(p.data) <= s.max_stored_image_bytes else None

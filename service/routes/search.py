@@ -30,7 +30,7 @@ async def search(
         missing = [lab for lab in label if lab not in state.gallery.label_id]
         if missing:
             raise HTTPException(404, f"unknown labels in the filter: {', '.join(missing)}")
-    p = await run_in_threadpool(state.prepare, await image.read(), "image")
+    (p,) = await state.prepare_async([await image.read()], ["image"])
     q = (await state.embed(p))[None, :]
     sims, ids, _names = await run_in_threadpool(state.gallery.search, q, k, label or None)
     hits = (

@@ -68,3 +68,14 @@ def test_kde_is_stable_for_small_sigma(sigma):
     y = torch.tensor([0, 0, 1, 1])
     p = kde_probs(s, y, 2, sigma)
     assert torch.isfinite(p).all() and p[0, 0] > 0.99
+
+
+def test_kde_prepared_labels_give_the_same_density():
+    from embedding.voting import kde_prepare
+
+    g = torch.Generator().manual_seed(3)
+    s = torch.rand(4, 50, generator=g) * 2 - 1
+    lab = torch.randint(-1, 5, (50,), generator=g)
+    a = kde_log_density(s, lab, 6, 0.05)
+    b = kde_log_density(s, lab, 6, 0.05, kde_prepare(lab, 6, 0.05))
+    assert torch.equal(a, b) and torch.isinf(a[:, 5]).all()  # label 5 has no items

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.config import Settings
+from service.schemas import BatchResult, ClassifyResult
 
 from .conftest import of_class, png
 
@@ -37,6 +38,10 @@ def test_classify_base_images(client, fmnist_test):
             r = client.post("/classify", files=img(fmnist_test, i))
             assert r.status_code == 200, r.text
             body = r.json()
+            ClassifyResult.model_validate(
+                body
+            )  # the route returns a plain dict: check the contract
+            assert "neighbors" not in body  # omitted unless asked (as response_model_exclude_none)
             assert set(body) >= {
                 "label",
                 "confidence",
@@ -64,6 +69,7 @@ def test_votes_neighbors_and_batch(client, fmnist_test):
             "/classify", files=img(fmnist_test, i), params={"vote": vote, "k": 7, "neighbors": True}
         )
         body = r.json()
+        ClassifyResult.model_validate(body)
         assert r.status_code == 200 and body["vote"] == vote and body["k"] == 7
         assert len(body["neighbors"]) == 7
         sims = [n["similarity"] for n in body["neighbors"]]
@@ -73,6 +79,7 @@ def test_votes_neighbors_and_batch(client, fmnist_test):
         "/classify/batch",
         files=[("images", (f"{i}.png", png(fmnist_test, i), "image/png")) for i in ids],
     )
+    BatchResult.model_validate(r.json())
     labels = [x["label"] for x in r.json()["results"]]
     assert r.status_code == 200 and len(labels) == 4
     single = [client.post("/classify", files=img(fmnist_test, i)).json()["label"] for i in ids]

@@ -1,0 +1,66 @@
+"""A small multipart/form-data reader for the classify routes, the hot path.
+
+Starlette's form parser (python-multipart's byte-level state machine, a spooled temporary file
+per upload) costs ~130 us of the ~370 us the app spends on a 28x28 /classify request
+(docs/PERFORMANCE.md). These routes only need the uploaded files' bytes, and the body is already
+in memory and capped by SNCA_MAX_UPLOAD_BYTES, so splitting it on the boundary (RFC 7578: the
+boundary never occurs inside a part) is enough. Header parameters are parsed by python-multipart's
+own `parse_options_header`. Everything malformed is a 400 naming the problem.
+"""
+
+from __future__ import annotations
+
+from python_multipart.multipart import parse_options_header
+
+
+class FormError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def is_multipart(content_type: str) -> bool:
+    return parse_options_header(content_type)[0] == b"multipart/form-data"
+
+
+def file_parts(body: bytes, content_type: str, max_parts: int) -> dict[str, list[bytes]]:
+    """{field name: [file contents, in order]} of the parts that carry a filename; text fields
+    are skipped (these routes take none). Raises FormError(400) for a malformed body and
+    FormError(413) above `max_parts` parts."""
+    ctype, params = parse_options_header(content_type)
+    if ctype != b"multipart/form-data":
+        raise FormError(400, f"expected multipart/form-data, got {ctype.decode('latin-1')!r}")
+    boundary = params.get(b"boundary")
+    if not boundary or len(boundary) > 200:
+        raise FormError(400, "malformed multipart body: missing or invalid boundary")
+    delim = b"--" + boundary
+    start = body.find(delim)
+    if start < 0:
+        raise FormError(400, "malformed multipart body: the boundary does not occur")
+    end = body.find(b"\r\n" + delim + b"--", start)
+    if end < 0:
+        raise FormError(400, "malformed multipart body: no closing boundary")
+    segment = body[start + len(delim) : end]
+    if not segment:
+        return {}
+    parts = segment.split(b"\r\n" + delim)
+    if len(parts) > max_parts:
+        raise FormError(413, f"{len(parts)} form parts; the limit is {max_parts}")
+    out: dict[str, list[bytes]] = {}
+    for i, part in enumerate(parts):
+        part = part.lstrip(b" \t")  # transport padding after a boundary is allowed
+        head, sep, content = part[2:].partition(b"\r\n\r\n")
+        if not part.startswith(b"\r\n") or not sep:
+            raise FormError(400, f"malformed multipart body: part {i} has no header block")
+        name = filename = None
+        for line in head.split(b"\r\n"):
+            key, _, value = line.partition(b":")
+            if key.strip().lower() == b"content-disposition":
+                _, p = parse_options_header(value)
+                name, filename = p.get(b"name"), p.get(b"filename")
+        if name is None:
+            raise FormError(400, f"malformed multipart body: part {i} has no field name")
+        if filename is not None:
+            out.setdefault(name.decode("utf-8", "replace"), []).append(content)
+    return out
