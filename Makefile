@@ -25,8 +25,9 @@ run: install data ## set up, train the default model, index it, serve it (Ctrl-C
 	@echo
 	$(PY) -m service --model $(OUT) --host $(HOST) --port $(PORT)
 
-test: install data ## set up, then lint and run the whole test suite
+test: install data ## set up, then lint (rules + formatting) and run the whole test suite
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 install: $(STAMP)

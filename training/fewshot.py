@@ -11,13 +11,16 @@ on novel queries, on base queries, and their harmonic mean, mean ± 95% CI over 
 split=val: base queries = the run's validation split; novel shots and queries both from the
 novel classes' training images (disjoint). split=test: base and novel queries from the test
 split, novel shots from the novel classes' training images.
+
+--episodes N adds the paper's Table 6 protocol on the same embeddings: N-way K-shot episodes over
+the novel classes alone (support and queries disjoint, kNN over the support with k = K), mean ±
+95% CI over the episodes (training/protocols.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +39,7 @@ from embedding.transforms import eval_transform
 from embedding.voting import VOTES, kde_probs, knn_probs, prototype_probs
 
 from .config import TrainConfig
+from .protocols import episode_accuracy, mean_ci95, sample_episodes
 
 
 @dataclass
@@ -175,8 +179,7 @@ def evaluate(
 
 
 def _mean_ci(a: np.ndarray) -> dict[str, float]:
-    m = float(a.mean())
-    ci = 1.96 * float(a.std(ddof=1)) / math.sqrt(len(a)) if len(a) > 1 else 0.0
+    m, ci = mean_ci95(a)
     return {"mean": m, "ci95": ci}
 
 
@@ -200,6 +203,15 @@ def main(argv: list[str] | None = None) -> int:
         default=500,
         help="split=val: novel queries per class",
     )
+    ap.add_argument(
+        "--episodes",
+        type=int,
+        default=0,
+        help="also N-way K-shot episodes over the novel classes only (paper Table 6): how many "
+        "(0: none; the paper's protocol uses >= 1000)",
+    )
+    ap.add_argument("--way", type=int, default=0, help="episodes: N (0: every novel class)")
+    ap.add_argument("--episode-queries", type=positive_int, default=15, help="per class")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="also write the table here")
     a = ap.parse_args(argv)
@@ -208,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [r for r in rules if r not in VOTES]
         if unknown:
             raise SNCAError(f"unknown rules {unknown}; known: {', '.join(VOTES)}")
+        if a.episodes < 0 or a.way < 0:
+            raise SNCAError("--episodes and --way must be >= 0")
         novel = [int(c) for c in a.novel.split(",")] if a.novel else None
         shots = [int(s) for s in a.shots.split(",")]
         pools = load_pools(a.run, novel, a.split, a.gallery)
@@ -222,9 +236,39 @@ def main(argv: list[str] | None = None) -> int:
                     f"HM {v['hm']['mean']:.3f} ± {v['hm']['ci95']:.3f}",
                     flush=True,
                 )
+        episodes = {}
+        if a.episodes > 0:
+            # Table 6: support and queries both from the novel classes' images (test split, or
+            # the novel training images for val), kNN over the support with k = K.
+            emb, y = (
+                (pools.shot_pool, pools.shot_y)
+                if pools.novel_q is None
+                else (pools.novel_q, pools.novel_y)
+            )
+            way = a.way or (pools.num_classes - pools.num_base)
+            for k_shot in shots:
+                eps = sample_episodes(
+                    y.numpy(),
+                    range(pools.num_base, pools.num_classes),
+                    way,
+                    k_shot,
+                    a.episode_queries,
+                    a.episodes,
+                    a.seed,
+                )
+                m, ci = mean_ci95(episode_accuracy(emb, eps, pools.temperature))
+                episodes[k_shot] = {"way": way, "episodes": a.episodes, "mean": m, "ci95": ci}
+                print(
+                    f"{way}-way {k_shot}-shot episodes ({a.episodes}, {a.episode_queries} "
+                    f"queries/class): {100 * m:.2f} ± {100 * ci:.2f}",
+                    flush=True,
+                )
         if a.json:
             a.json.write_text(
-                json.dumps({"split": a.split, "gallery": a.gallery, "table": table}, indent=2)
+                json.dumps(
+                    {"split": a.split, "gallery": a.gallery, "table": table, "episodes": episodes},
+                    indent=2,
+                )
             )
     except (SNCAError, ValueError) as e:
         print(f"fewshot: error: {e}", file=sys.stderr)
