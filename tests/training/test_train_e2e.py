@@ -203,6 +203,21 @@ def test_softmax_baseline_run(tmp_path):
     assert summary["final"]["val_recompute_knn_top1@30"] > 50
     assert (out / "classifier.safetensors").is_file()
 
+    # The evaluation module reproduces the training-time validation numbers from the run dir
+    # alone (same split, same kNN), and adds the +PCA row.
+    from training.evaluate import closed_set
+
+    r = closed_set(out, "val", (1, 30))
+    fin = summary["final"]
+    one_query = 100 / r["queries"] + 1e-6
+    assert r["queries"] == 400
+    assert abs(r["memory"]["knn_top1@30"] - fin["val_knn_top1@30"]) <= one_query
+    assert abs(r["recompute"]["knn_top1@30"] - fin["val_recompute_knn_top1@30"]) <= one_query
+    assert abs(r["parametric_top1"] - fin["val_softmax_top1"]) <= one_query
+    assert r["pca_dim"] == 64 and r["pca_features"]["knn_top1@30"] > 50
+    bad = run_cli("training.evaluate", tmp_path / "nope")
+    assert bad.returncode == 2 and bad.stderr.startswith("evaluate: error:")
+
 
 @pytest.mark.slow
 def test_coarse_run_keeps_fine_labels(tmp_path):

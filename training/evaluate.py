@@ -1,0 +1,134 @@
+"""Closed-set evaluation of a run dir (the paper's Table 2 rows), with the service's kNN.
+
+    python -m training.evaluate runs/fmnist-nca-10ep                     # validation split
+    python -m training.evaluate runs/fmnist-softmax-10ep --split test    # test split, once
+
+For the run's classes, on the validation split carved at training time (default) or on the
+test split: weighted kNN top-1/top-5 (exp(s/σ), σ from the model card, `embedding.knn`) at each
+k, against (a) the memory bank (the paper's protocol) and (b) the training images re-embedded
+with the final model and the eval transform; and the penultimate features reduced by PCA (fitted
+on the training images) and L2-normalised, kNN against the training images: the paper's
+"+PCA" row (for conv4 the features are 64-d, so the PCA keeps min(--pca-dim, 64) dimensions).
+A softmax-baseline run (it has classifier.safetensors) also reports its parametric top-1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from embedding import load_memory_bank, load_model
+from embedding.artifacts import read_json, read_safetensors
+from embedding.cliutil import positive_int
+from embedding.datasets import load_raw
+from embedding.errors import SNCAError
+from embedding.knn import knn_evaluate
+
+from .config import TrainConfig
+from .datasets import parse_classes, select
+from .protocols import pca_fit, pca_project
+
+
+def run_config(run: Path) -> TrainConfig:
+    d = read_json(run / "config.json")
+    known = TrainConfig.fields()
+    return TrainConfig.from_dict({k: v for k, v in d.items() if k in known})
+
+
+@torch.no_grad()
+def _features(model, split, batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """(penultimate features (n, D), unnormalised projections (n, d)) of a split, eval transform."""
+    from .trainer import eval_loader
+
+    feats = []
+    for x, _, _ in eval_loader(split, model.config, batch, 0, False):
+        feats.append(model.features(x).float())
+    f = torch.cat(feats) if feats else torch.empty(0, model.feature_dim)
+    return f, model.embed(f).float()
+
+
+def closed_set(run: Path, split: str = "val", ks=(1, 30), pca_dim: int = 128) -> dict:
+    from .trainer import build_data
+
+    cfg = run_config(run)
+    data = build_data(cfg)
+    model = load_model(run).eval()
+    mc = model.config
+    if split == "val":
+        if data.val is None:
+            raise SNCAError(f"{run} has no validation split (trained with --val-size 0)")
+        queries = data.val
+    else:
+        raw = load_raw(cfg.dataset, "test", cfg.data_dir, mc.image_size, mc.in_channels)
+        queries = select(raw, parse_classes(cfg.classes, raw.class_names), cfg.coarse)
+    bank, _ = load_memory_bank(run / "memory.safetensors")
+    c, sigma = len(mc.class_names), mc.temperature
+    qf, qz = _features(model, queries)
+    tf, tz = _features(model, data.train)
+    qy, ty = torch.from_numpy(queries.labels), torch.from_numpy(data.train.labels)
+    q = F.normalize(qz, dim=1)
+    out: dict = {"run": str(run), "split": split, "queries": len(qy), "gallery": len(ty)}
+    out["memory"] = knn_evaluate(q, qy, bank["embeddings"], bank["labels"], c, sigma, ks)
+    out["recompute"] = knn_evaluate(q, qy, F.normalize(tz, dim=1), ty, c, sigma, ks)
+    dim = min(pca_dim, tf.shape[1], tf.shape[0])
+    mean, comp = pca_fit(tf, dim)
+    out["pca_dim"] = dim
+    out["pca_features"] = knn_evaluate(
+        pca_project(qf, mean, comp), qy, pca_project(tf, mean, comp), ty, c, sigma, ks
+    )
+    head = run / "classifier.safetensors"
+    if head.is_file():  # softmax baseline: its classifier reads the unnormalised projection
+        w, _ = read_safetensors(head)
+        logits = qz @ w["weight"].T + w["bias"]  # (n, C)
+        out["parametric_top1"] = 100.0 * (logits.argmax(1) == qy).float().mean().item()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m training.evaluate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("runs", type=Path, nargs="+", help="run dirs")
+    ap.add_argument("--split", choices=("val", "test"), default="val")
+    ap.add_argument("--ks", default="1,30", help="k values of the kNN vote (a sweep: 1,5,10,...)")
+    ap.add_argument("--pca-dim", type=positive_int, default=128)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    a = ap.parse_args(argv)
+    results = []
+    try:
+        ks = tuple(int(k) for k in a.ks.split(","))
+        if any(k < 1 for k in ks):
+            raise SNCAError(f"--ks must be positive integers, got {a.ks!r}")
+        for run in a.runs:
+            t0 = time.perf_counter()
+            r = closed_set(run, a.split, ks, a.pca_dim)
+            r["seconds"] = round(time.perf_counter() - t0, 1)
+            results.append(r)
+            k = max(ks)
+            line = (
+                f"{run} ({a.split}, {r['queries']} queries): kNN top-1 @k={k} "
+                f"memory {r['memory'][f'knn_top1@{k}']:.2f}, "
+                f"re-embedded {r['recompute'][f'knn_top1@{k}']:.2f}, "
+                f"PCA-{r['pca_dim']} features {r['pca_features'][f'knn_top1@{k}']:.2f}"
+            )
+            if "parametric_top1" in r:
+                line += f", parametric {r['parametric_top1']:.2f}"
+            print(line, flush=True)
+    except (SNCAError, ValueError, OSError) as e:
+        print(f"evaluate: error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
