@@ -130,5 +130,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def eval_cli(argv: list[str] | None = None) -> int:
+    """`snca-eval closed ...` (this module) or `snca-eval fewshot ...` (training.fewshot)."""
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"closed": main, "fewshot": None}
+    if not argv or argv[0] not in commands:
+        print(
+            "usage: snca-eval {closed,fewshot} ...\n"
+            "  closed   kNN / +PCA / parametric top-1 of run dirs (python -m training.evaluate)\n"
+            "  fewshot  generalized few-shot and N-way K-shot episodes (python -m training.fewshot)",
+            file=sys.stderr,
+        )
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    if argv[0] == "fewshot":
+        from .fewshot import main as fewshot_main
+
+        return fewshot_main(argv[1:])
+    return main(argv[1:])
+
+
 if __name__ == "__main__":
     sys.exit(main())

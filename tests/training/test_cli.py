@@ -159,3 +159,13 @@ def test_batch_larger_than_data(tmp_path):
     )
     assert not (tmp_path / "r").exists()
     assert not (tmp_path / "r.partial").exists()
+
+
+def test_snca_eval_dispatches_and_rejects_unknown_commands(tmp_path, capsys):
+    from training.evaluate import eval_cli
+
+    assert eval_cli(["nope"]) == 2 and "usage: snca-eval" in capsys.readouterr().err
+    assert eval_cli(["closed", str(tmp_path / "missing")]) == 2
+    assert "evaluate: error: missing file" in capsys.readouterr().err
+    assert eval_cli(["fewshot", str(tmp_path / "missing")]) == 2
+    assert "fewshot: error:" in capsys.readouterr().err
