@@ -94,9 +94,10 @@ _QUERY_DOCS = {
 }
 
 
-def read_query(request: Request) -> tuple[ServiceState, ClassifyQuery]:
+def read_query(request: Request) -> tuple[ServiceState, int, str, tuple | None, bool]:
     """The ready state (503 otherwise), the read key check, and the validated query (422 in
-    FastAPI's own error format otherwise)."""
+    FastAPI's own error format otherwise) with the defaults applied: (state, k, vote, labels
+    filter as a sorted tuple or None (404 for an unknown label), neighbors)."""
     state = ready_state(request)
     if state.settings.protect_reads:
         check_key(state, request.headers.get("x-api-key"))
@@ -105,10 +106,17 @@ def read_query(request: Request) -> tuple[ServiceState, ClassifyQuery]:
     if "labels" in qp:
         raw["labels"] = qp.getlist("labels")
     try:
-        return state, _QUERY.validate_python(raw, strict=False)
+        q = _QUERY.validate_python(raw, strict=False)
     except ValidationError as e:
         errs = [{**err, "loc": ("query", *err["loc"])} for err in e.errors(include_url=False)]
         raise RequestValidationError(errs) from None
+    labels = q.labels
+    if labels is not None:
+        labels = tuple(sorted({lab for lab in labels if lab}))
+        missing = [lab for lab in labels if lab not in state.gallery.label_id]
+        if missing:
+            raise HTTPException(404, f"unknown labels in the filter: {', '.join(missing)}")
+    return state, q.k or state.settings.k, q.vote or state.settings.vote, labels, q.neighbors
 
 
 def result(state: ServiceState, c: Classification, vote: str, k: int, neighbors: bool) -> dict:
@@ -154,19 +162,6 @@ async def read_uploads(request: Request, field: str, max_files: int) -> list[byt
     return got
 
 
-def _params(state: ServiceState, q: ClassifyQuery):
-    k = q.k or state.settings.k
-    vote = q.vote or state.settings.vote
-    labels = q.labels
-    if labels is not None:
-        labels = tuple(sorted({lab for lab in labels if lab}))
-        known = set(state.gallery.label_id)
-        missing = [lab for lab in labels if lab not in known]
-        if missing:
-            raise HTTPException(404, f"unknown labels in the filter: {', '.join(missing)}")
-    return k, vote, labels
-
-
 @router.post(
     "/classify",
     response_model=ClassifyResult,
@@ -176,9 +171,7 @@ def _params(state: ServiceState, q: ClassifyQuery):
     openapi_extra=_docs("image", many=False),
 )
 async def classify(request: Request):
-    state, q = read_query(request)
-    neighbors = q.neighbors
-    k, vote_name, labels = _params(state, q)
+    state, k, vote_name, labels, neighbors = read_query(request)
     data = await read_uploads(request, "image", 1)
     if len(data) > 1:
         raise HTTPException(422, f"{len(data)} files in field image; /classify/batch takes several")
@@ -200,15 +193,13 @@ async def classify(request: Request):
     openapi_extra=_docs("images", many=True),
 )
 async def classify_batch(request: Request):
-    state, q = read_query(request)
-    neighbors = q.neighbors
+    state, k, vote_name, labels, neighbors = read_query(request)
     datas = await read_uploads(request, "images", state.settings.max_images_per_request)
     if len(datas) > state.settings.max_images_per_request:
         raise HTTPException(
             413,
             f"{len(datas)} images; the limit is {state.settings.max_images_per_request} per request",
         )
-    k, vote_name, labels = _params(state, q)
     prepared = await state.prepare_async(datas, [f"images[{i}]" for i in range(len(datas))])
     cs = await asyncio.gather(
         *[state.classify(p, vote_name, k, labels, neighbors) for p in prepared]
