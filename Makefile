@@ -9,7 +9,7 @@ OUT ?= runs/demo
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test install data lint bench clean
+.PHONY: run test install data lint bench reproduce clean
 
 run: install data ## set up, train the default model, index it, serve it (Ctrl-C stops)
 	$(PY) -m training --dataset fashion-mnist --arch conv4 --loss nca --epochs $(EPOCHS) \
@@ -55,6 +55,11 @@ data:
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The evaluation grid (training/reproduce.py): ~40 min on 2 cores, rewrites the report block of
+# docs/RESULTS.md and docs/figures/. QUICK=1: small subsets, ~3 min, report in runs/reproduce-quick/docs.
+reproduce: install data
+	$(PY) -m training.reproduce $(if $(QUICK),--quick,)
 
 bench: install ## benchmarks/train_step.py (results go in docs/PERFORMANCE.md)
 	$(PY) benchmarks/train_step.py

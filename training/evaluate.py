@@ -10,6 +10,10 @@ with the final model and the eval transform; and the penultimate features reduce
 on the training images) and L2-normalised, kNN against the training images: the paper's
 "+PCA" row (for conv4 the features are 64-d, so the PCA keeps min(--pca-dim, 64) dimensions).
 A softmax-baseline run (it has classifier.safetensors) also reports its parametric top-1.
+Per-class kNN top-1 (memory bank, largest k) is reported for the per-class gain figure. A run
+trained with --coarse is also evaluated on the fine labels (the paper's Table 5, sub-category
+discovery): kNN against the memory bank and the re-embedded images, and a linear probe on the
+frozen penultimate features trained with the fine labels (the paper's reference row).
 """
 
 from __future__ import annotations
@@ -28,11 +32,11 @@ from embedding.artifacts import read_json, read_safetensors
 from embedding.cliutil import positive_int
 from embedding.datasets import load_raw
 from embedding.errors import SNCAError
-from embedding.knn import knn_evaluate
+from embedding.knn import knn_evaluate, knn_search, weighted_knn_vote
 
 from .config import TrainConfig
 from .datasets import parse_classes, select
-from .protocols import pca_fit, pca_project
+from .protocols import linear_probe, pca_fit, pca_project
 
 
 def run_config(run: Path) -> TrainConfig:
@@ -51,6 +55,27 @@ def _features(model, split, batch: int = 512) -> tuple[torch.Tensor, torch.Tenso
         feats.append(model.features(x).float())
     f = torch.cat(feats) if feats else torch.empty(0, model.feature_dim)
     return f, model.embed(f).float()
+
+
+def per_class_top1(
+    q: torch.Tensor,
+    qy: torch.Tensor,
+    g: torch.Tensor,
+    gy: torch.Tensor,
+    c: int,
+    sigma: float,
+    k: int,
+) -> list[float]:
+    """Weighted-kNN top-1 (%) of the queries of each class (NaN for a class with no query)."""
+    sims, idx = knn_search(q, g, k)
+    pred = weighted_knn_vote(sims, gy[idx], c, sigma).argmax(1)
+    ok = (pred == qy).float()
+    n = torch.bincount(qy, minlength=c).float()
+    hits = torch.zeros(c).index_add_(0, qy, ok)
+    return [
+        100.0 * h / m if m > 0 else float("nan")
+        for h, m in zip(hits.tolist(), n.tolist(), strict=True)
+    ]
 
 
 def closed_set(run: Path, split: str = "val", ks=(1, 30), pca_dim: int = 128) -> dict:
@@ -72,10 +97,14 @@ def closed_set(run: Path, split: str = "val", ks=(1, 30), pca_dim: int = 128) ->
     qf, qz = _features(model, queries)
     tf, tz = _features(model, data.train)
     qy, ty = torch.from_numpy(queries.labels), torch.from_numpy(data.train.labels)
-    q = F.normalize(qz, dim=1)
+    q, t = F.normalize(qz, dim=1), F.normalize(tz, dim=1)
     out: dict = {"run": str(run), "split": split, "queries": len(qy), "gallery": len(ty)}
+    out["class_names"] = list(mc.class_names)
     out["memory"] = knn_evaluate(q, qy, bank["embeddings"], bank["labels"], c, sigma, ks)
-    out["recompute"] = knn_evaluate(q, qy, F.normalize(tz, dim=1), ty, c, sigma, ks)
+    out["recompute"] = knn_evaluate(q, qy, t, ty, c, sigma, ks)
+    out["per_class_top1"] = per_class_top1(
+        q, qy, bank["embeddings"], bank["labels"], c, sigma, max(ks)
+    )
     dim = min(pca_dim, tf.shape[1], tf.shape[0])
     mean, comp = pca_fit(tf, dim)
     out["pca_dim"] = dim
@@ -87,6 +116,17 @@ def closed_set(run: Path, split: str = "val", ks=(1, 30), pca_dim: int = 128) ->
         w, _ = read_safetensors(head)
         logits = qz @ w["weight"].T + w["bias"]  # (n, C)
         out["parametric_top1"] = 100.0 * (logits.argmax(1) == qy).float().mean().item()
+    if cfg.coarse:  # Table 5: do coarse-trained neighbourhoods separate the fine classes?
+        fq = torch.from_numpy(queries.fine_labels)
+        ft = torch.from_numpy(data.train.fine_labels)
+        fc = len(queries.fine_class_names)
+        pred = linear_probe(tf, ft, qf, fc)
+        out["fine"] = {
+            "class_names": list(queries.fine_class_names),
+            "memory": knn_evaluate(q, fq, bank["embeddings"], bank["fine_labels"], fc, sigma, ks),
+            "recompute": knn_evaluate(q, fq, t, ft, fc, sigma, ks),
+            "linear_probe_top1": 100.0 * (pred == fq).float().mean().item(),
+        }
     return out
 
 
@@ -121,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             if "parametric_top1" in r:
                 line += f", parametric {r['parametric_top1']:.2f}"
+            if "fine" in r:
+                fine = r["fine"]
+                line += (
+                    f"; fine labels: kNN memory {fine['memory'][f'knn_top1@{k}']:.2f}, "
+                    f"re-embedded {fine['recompute'][f'knn_top1@{k}']:.2f}, "
+                    f"linear probe {fine['linear_probe_top1']:.2f}"
+                )
             print(line, flush=True)
     except (SNCAError, ValueError, OSError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)

@@ -183,6 +183,24 @@ def _mean_ci(a: np.ndarray) -> dict[str, float]:
     return {"mean": m, "ci95": ci}
 
 
+def run_episodes(
+    p: Pools, shots: list[int], n: int, way: int = 0, queries: int = 15, seed: int = 0
+) -> dict[int, dict]:
+    """Table 6: N-way K-shot episodes over the novel classes alone, support and queries from the
+    novel images (the test split, or the novel training images for val), kNN over the support
+    with k = K. Returns {K: {way, episodes, mean, ci95}} (accuracies 0..1)."""
+    emb, y = (p.shot_pool, p.shot_y) if p.novel_q is None else (p.novel_q, p.novel_y)
+    way = way or (p.num_classes - p.num_base)
+    out = {}
+    for k_shot in shots:
+        eps = sample_episodes(
+            y.numpy(), range(p.num_base, p.num_classes), way, k_shot, queries, n, seed
+        )
+        m, ci = mean_ci95(episode_accuracy(emb, eps, p.temperature))
+        out[k_shot] = {"way": way, "episodes": n, "mean": m, "ci95": ci}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m training.fewshot",
@@ -238,29 +256,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
         episodes = {}
         if a.episodes > 0:
-            # Table 6: support and queries both from the novel classes' images (test split, or
-            # the novel training images for val), kNN over the support with k = K.
-            emb, y = (
-                (pools.shot_pool, pools.shot_y)
-                if pools.novel_q is None
-                else (pools.novel_q, pools.novel_y)
-            )
-            way = a.way or (pools.num_classes - pools.num_base)
-            for k_shot in shots:
-                eps = sample_episodes(
-                    y.numpy(),
-                    range(pools.num_base, pools.num_classes),
-                    way,
-                    k_shot,
-                    a.episode_queries,
-                    a.episodes,
-                    a.seed,
-                )
-                m, ci = mean_ci95(episode_accuracy(emb, eps, pools.temperature))
-                episodes[k_shot] = {"way": way, "episodes": a.episodes, "mean": m, "ci95": ci}
+            episodes = run_episodes(pools, shots, a.episodes, a.way, a.episode_queries, a.seed)
+            for k_shot, e in episodes.items():
                 print(
-                    f"{way}-way {k_shot}-shot episodes ({a.episodes}, {a.episode_queries} "
-                    f"queries/class): {100 * m:.2f} ± {100 * ci:.2f}",
+                    f"{e['way']}-way {k_shot}-shot episodes ({a.episodes}, {a.episode_queries} "
+                    f"queries/class): {100 * e['mean']:.2f} ± {100 * e['ci95']:.2f}",
                     flush=True,
                 )
         if a.json:

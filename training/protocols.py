@@ -115,3 +115,36 @@ def pca_fit(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 def pca_project(x: torch.Tensor, mean: torch.Tensor, components: torch.Tensor) -> torch.Tensor:
     """(N, D) -> (N, dim) projections, L2-normalised (cosine kNN, like the learned embedding)."""
     return torch.nn.functional.normalize((x.float() - mean) @ components.T, dim=1)
+
+
+def linear_probe(
+    train_x: torch.Tensor,
+    train_y: torch.Tensor,
+    test_x: torch.Tensor,
+    num_classes: int,
+    weight_decay: float = 1e-4,
+    max_iter: int = 200,
+) -> torch.Tensor:
+    """Multinomial logistic regression on frozen features (the paper's linear-classifier row of
+    Table 5), full-batch L-BFGS on standardised features. Returns test predictions (M,).
+
+    train_x (N, D), train_y (N,) in [0, num_classes), test_x (M, D)."""
+    if train_x.shape[0] != train_y.shape[0] or train_x.shape[0] == 0:
+        raise ValueError("linear probe needs matching, non-empty features and labels")
+    mean, std = train_x.mean(0), train_x.std(0).clamp_min(1e-6)
+    x = ((train_x - mean) / std).double()
+    y = train_y.long()
+    w = torch.zeros(x.shape[1], num_classes, dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(num_classes, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=max_iter, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(x @ w + b, y) + weight_decay * (w * w).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    with torch.no_grad():
+        return (((test_x - mean) / std).double() @ w + b).argmax(1)

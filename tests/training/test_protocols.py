@@ -8,6 +8,7 @@ import torch
 
 from training.protocols import (
     episode_accuracy,
+    linear_probe,
     mean_ci95,
     pca_fit,
     pca_project,
@@ -123,3 +124,30 @@ def test_generalized_fewshot_on_separable_clusters():
         assert out[rule]["novel"]["mean"] == 1.0 and out[rule]["base"]["mean"] == 1.0
         assert out[rule]["hm"]["mean"] == pytest.approx(1.0)
     assert set(out["knn"]) == {"novel", "base", "hm"}
+
+
+def test_linear_probe_separates_separable_classes_and_only_sees_training_labels():
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(4, 16, generator=g) * 4  # 4 well separated classes in 16-d
+    y = torch.arange(4).repeat_interleave(50)
+    x = centres[y] + torch.randn(200, 16, generator=g)
+    yt = torch.arange(4).repeat_interleave(25)
+    xt = centres[yt] + torch.randn(100, 16, generator=g)
+    assert (linear_probe(x, y, xt, 4) == yt).float().mean() >= 0.97
+    # labels carrying no information about x: the probe cannot beat chance by much on new data
+    noise = torch.randint(0, 4, (200,), generator=g)
+    assert (linear_probe(x, noise, xt, 4) == yt).float().mean() < 0.6
+    with pytest.raises(ValueError):
+        linear_probe(x, y[:10], xt, 4)
+
+
+def test_per_class_top1_hand_computed():
+    from training.evaluate import per_class_top1
+
+    # gallery: two classes on the x and y axes; queries near them, one class-1 query on class 0
+    g = torch.tensor([[1.0, 0.0], [0.99, 0.141], [0.0, 1.0], [0.141, 0.99]])
+    gy = torch.tensor([0, 0, 1, 1])
+    q = torch.nn.functional.normalize(torch.tensor([[1.0, 0.1], [0.1, 1.0], [1.0, 0.05]]), dim=1)
+    qy = torch.tensor([0, 1, 1])
+    acc = per_class_top1(q, qy, g, gy, 3, 0.05, 2)
+    assert acc[0] == 100.0 and acc[1] == 50.0 and math.isnan(acc[2])  # class 2 has no query
