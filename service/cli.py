@@ -50,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--snapshot-every", type=int, help="snapshot the index every N writes (1000; 0 = on demand)"
     )
+    p.add_argument(
+        "--thumbnails",
+        action="store_true",
+        help="keep a thumbnail of each added image (the web page at / shows them)",
+    )
+    p.add_argument(
+        "--api-key-file", type=Path, help="read the API key from this file (a compose secret)"
+    )
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     return p
 

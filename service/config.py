@@ -77,6 +77,11 @@ class Settings(BaseSettings):
         True, description="keep added images in the store (for re-embedding)"
     )
     max_stored_image_bytes: int = Field(2 * 1024 * 1024, ge=0)
+    thumbnails: bool = Field(
+        False,
+        description="keep a small thumbnail of each added image (shown by the web page at /)",
+    )
+    thumbnail_side: int = Field(96, ge=16, le=256, description="thumbnail long edge, pixels")
 
     # durability
     snapshot_every: int = Field(
@@ -84,7 +89,14 @@ class Settings(BaseSettings):
     )
 
     # security
-    api_key: SecretStr | None = Field(None, description="required on writes when set (X-API-Key)")
+    api_key: SecretStr | None = Field(
+        None, description="required on writes when set (X-API-Key); empty = no key"
+    )
+    api_key_file: Path | None = Field(
+        None,
+        description="read the API key from this file (e.g. a Docker/Compose secret, "
+        "/run/secrets/snca_api_key) when api_key is not set",
+    )
     protect_reads: bool = Field(False, description="require the API key on read routes too")
 
     # server
@@ -101,6 +113,16 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _defaults(self) -> Settings:
+        if self.api_key is not None and not self.api_key.get_secret_value():
+            self.api_key = None  # SNCA_API_KEY="" (an unset compose variable): no key
+        if self.api_key is None and self.api_key_file is not None:
+            try:
+                key = self.api_key_file.read_text().strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"cannot read api_key_file {self.api_key_file}: {e}") from None
+            if not key:
+                raise ValueError(f"api_key_file {self.api_key_file} is empty")
+            self.api_key = SecretStr(key)
         if self.index is None:
             self.index = self.model / "index"
         if self.data_dir is None:

@@ -418,3 +418,27 @@ def test_metrics_and_openapi(client, fmnist_test):
     ):
         assert path in spec["paths"], path
     assert client.get("/docs").status_code == 200
+
+
+def test_api_key_from_a_file_and_empty_key_means_none(base_run, tmp_path, fmnist_test):
+    from pydantic import ValidationError
+
+    key = tmp_path / "key"
+    key.write_text("from-a-secret\n")
+    s = Settings(model=base_run, api_key_file=key)
+    assert s.api_key.get_secret_value() == "from-a-secret"
+    assert Settings(model=base_run, api_key="").api_key is None  # SNCA_API_KEY= (unset in compose)
+    assert (
+        Settings(model=base_run, api_key="given", api_key_file=key).api_key.get_secret_value()
+        == "given"
+    )
+    for bad, msg in ((tmp_path / "missing", "cannot read"), (tmp_path / "empty", "is empty")):
+        if "empty" in str(bad):
+            bad.write_text("  \n")
+        with pytest.raises(ValidationError, match=msg):
+            Settings(model=base_run, api_key_file=bad)
+    with make_client(base_run, tmp_path / "serve", api_key_file=key) as c:
+        f = {"images": ("a.png", png(fmnist_test, 0), "image/png")}
+        assert c.post("/gallery/add", data={"label": "x"}, files=f).status_code == 401
+        h = {"X-API-Key": "from-a-secret"}
+        assert c.post("/gallery/add", data={"label": "x"}, files=f, headers=h).status_code == 200
