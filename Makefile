@@ -9,12 +9,12 @@ OUT ?= runs/demo
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test install data lint bench reproduce clean
+.PHONY: run test install data browser lint bench reproduce clean
 
 run: install data ## set up, train the default model, index it, serve it (Ctrl-C stops)
 	$(PY) -m training --dataset fashion-mnist --arch conv4 --loss nca --epochs $(EPOCHS) \
 		--out $(OUT) --overwrite
-	$(PY) -m index_builder $(OUT) --out $(OUT)/index --overwrite
+	$(PY) -m index_builder $(OUT) --out $(OUT)/index --overwrite --thumbnails
 	$(PY) -m service.examples $(OUT)/examples > /dev/null
 	@echo
 	@echo "Try it (in another terminal):"
@@ -23,9 +23,11 @@ run: install data ## set up, train the default model, index it, serve it (Ctrl-C
 	@echo "  curl -s http://$(HOST):$(PORT)/gallery/labels"
 	@echo "  API docs: http://$(HOST):$(PORT)/docs"
 	@echo
-	$(PY) -m service --model $(OUT) --host $(HOST) --port $(PORT)
+	@echo "Web page: http://$(HOST):$(PORT)/   (classify, register labels, browse neighbours)"
+	@echo
+	$(PY) -m service --model $(OUT) --host $(HOST) --port $(PORT) --thumbnails
 
-test: install data ## set up, then lint (rules + formatting) and run the whole test suite
+test: install data browser ## set up, then lint (rules + formatting) and run the whole test suite
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
@@ -51,6 +53,17 @@ data:
 	else \
 		echo "no apt-get: Fashion-MNIST will be downloaded by torchvision on first use"; \
 	fi
+
+# Debian's Chromium for the browser tests (tests/service/test_browser.py, driven by Playwright).
+browser:
+	@if [ -x /usr/bin/chromium ]; then echo "Chromium: /usr/bin/chromium"; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo "sudo -n"); \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$$SUDO apt-get install -y -q chromium >/dev/null \
+		|| { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium >/dev/null; } \
+		|| { echo "cannot install chromium: the browser tests will fail" >&2; exit 1; }; \
+	else echo "no apt-get: install Chromium at /usr/bin/chromium for the browser tests" >&2; exit 1; fi
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from .errors import ArtifactError
 
-STORE_SCHEMA_VERSION = 1
+STORE_SCHEMA_VERSION = 2
+# Version 1 lacks items.thumbnail: read as is, upgraded in place by `migrate_store`.
+READABLE_SCHEMAS = ("1", "2")
 SOURCES = ("trained", "added")
 
 _SCHEMA = """
@@ -34,6 +36,7 @@ CREATE TABLE items (
     embedding   BLOB    NOT NULL,        -- float32 x dim, little-endian, unit norm
     image       BLOB,                    -- the uploaded image (added items, size-capped)
     image_type  TEXT,                    -- its MIME type
+    thumbnail   BLOB,                    -- small PNG/JPEG preview (embedding/thumbnails.py), or NULL
     add_seq     INTEGER NOT NULL DEFAULT 0,  -- write that added it (0: part of the built index)
     deleted_seq INTEGER                  -- write that deleted it; NULL while live
 );
@@ -49,12 +52,12 @@ def utc_now() -> str:
 
 def create_store(
     path: str | Path,
-    rows: Iterable[tuple[int, str, str, dict | None, bytes]],
+    rows: Iterable[tuple],
     meta: dict[str, str] | None = None,
     batch: int = 10000,
 ) -> int:
     """Write a new store at `path` (which must not exist) from (id, label, source, metadata,
-    embedding bytes) rows; return the number of rows. Complete and fsynced when this returns."""
+    embedding bytes[, thumbnail bytes or None]) rows; return the number of rows. Complete and fsynced when this returns."""
     path = Path(path)
     if path.exists():
         raise FileExistsError(path)
@@ -65,9 +68,9 @@ def create_store(
         conn.executescript(_SCHEMA)
         now = utc_now()
         n, chunk, max_id = 0, [], -1
-        for item_id, label, source, metadata, emb in rows:
+        for item_id, label, source, metadata, emb, *thumb in rows:
             md = None if metadata is None else json.dumps(metadata, sort_keys=True)
-            chunk.append((int(item_id), str(label), source, md, now, emb))
+            chunk.append((int(item_id), str(label), source, md, now, emb, *(thumb or [None])))
             max_id = max(max_id, int(item_id))
             if len(chunk) >= batch:
                 n += _insert(conn, chunk)
@@ -89,8 +92,8 @@ def create_store(
 
 def _insert(conn: sqlite3.Connection, chunk: list) -> int:
     conn.executemany(
-        "INSERT INTO items (id, label, source, metadata, created_at, embedding) "
-        "VALUES (?, ?, ?, ?, ?, ?)",
+        "INSERT INTO items (id, label, source, metadata, created_at, embedding, thumbnail) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?)",
         chunk,
     )
     return len(chunk)
@@ -107,13 +110,32 @@ def open_store(path: str | Path, readonly: bool = True) -> sqlite3.Connection:
         row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     except sqlite3.DatabaseError as e:
         raise ArtifactError(f"{path} is not a readable gallery store: {e}") from None
-    if row is None or row[0] != str(STORE_SCHEMA_VERSION):
+    if row is None or row[0] not in READABLE_SCHEMAS:
         conn.close()
         raise ArtifactError(
             f"{path}: gallery store schema {row[0] if row else None!r} is not supported "
-            f"(this version reads {STORE_SCHEMA_VERSION})"
+            f"(this version reads {', '.join(READABLE_SCHEMAS)})"
         )
     return conn
+
+
+def migrate_store(conn: sqlite3.Connection) -> bool:
+    """Upgrade a writable store to the current schema in one transaction; True if it changed.
+    1 -> 2: items.thumbnail (NULL for existing items)."""
+    version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+    if version == str(STORE_SCHEMA_VERSION):
+        return False
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute("ALTER TABLE items ADD COLUMN thumbnail BLOB")
+        conn.execute(
+            "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(STORE_SCHEMA_VERSION),)
+        )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return True
 
 
 def label_counts(conn: sqlite3.Connection) -> dict[str, int]:

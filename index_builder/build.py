@@ -67,6 +67,7 @@ class BuildConfig:
     data_dir: str | None = None  # recompute: where the dataset is, if not where training found it
     seed: int = 0
     progress: bool = True
+    thumbnails: bool = False  # a preview of every dataset item in the store (the web page)
 
 
 @dataclass
@@ -102,26 +103,11 @@ def recompute_embeddings(cfg: BuildConfig, model, dataset_indices: np.ndarray, l
     from torch.utils.data import DataLoader, Dataset
     from tqdm import tqdm
 
-    from embedding.datasets import load_raw
     from embedding.inference import embed_batches
     from embedding.transforms import eval_transform
 
-    train_cfg = read_json(cfg.run_dir / "config.json")
-    if not isinstance(train_cfg, dict) or "dataset" not in train_cfg:
-        raise SNCAError(f"{cfg.run_dir / 'config.json'} does not name the training dataset")
+    raw = _train_raw(cfg, model, dataset_indices)
     mc = model.config
-    raw = load_raw(
-        train_cfg["dataset"],
-        "train",
-        cfg.data_dir or train_cfg.get("data_dir"),
-        image_size=mc.image_size,
-        in_channels=mc.in_channels,
-    )
-    if len(dataset_indices) and int(dataset_indices.max()) >= len(raw.source):
-        raise SNCAError(
-            f"the memory bank refers to image {int(dataset_indices.max())} but {raw.name} has "
-            f"{len(raw.source)} training images: is --data-dir the dataset this run trained on?"
-        )
     tf = eval_transform(mc)
 
     class _Images(Dataset):
@@ -149,6 +135,49 @@ def recompute_embeddings(cfg: BuildConfig, model, dataset_indices: np.ndarray, l
     ) as bar:
         emb = embed_batches(model, loader, device, progress=bar)
     return emb.cpu().numpy().astype(np.float32)
+
+
+def _train_raw(cfg: BuildConfig, model, dataset_indices: np.ndarray):
+    """The run's training split as found on disk (re-embedding and thumbnails read it)."""
+    from embedding.datasets import load_raw
+
+    train_cfg = read_json(cfg.run_dir / "config.json")
+    if not isinstance(train_cfg, dict) or "dataset" not in train_cfg:
+        raise SNCAError(f"{cfg.run_dir / 'config.json'} does not name the training dataset")
+    mc = model.config
+    raw = load_raw(
+        train_cfg["dataset"],
+        "train",
+        cfg.data_dir or train_cfg.get("data_dir"),
+        image_size=mc.image_size,
+        in_channels=mc.in_channels,
+    )
+    if len(dataset_indices) and int(dataset_indices.max()) >= len(raw.source):
+        raise SNCAError(
+            f"the memory bank refers to image {int(dataset_indices.max())} but {raw.name} has "
+            f"{len(raw.source)} training images: is --data-dir the dataset this run trained on?"
+        )
+    return raw
+
+
+def make_thumbnails(cfg: BuildConfig, model, dataset_indices: np.ndarray, log) -> list:
+    """A thumbnail (bytes or None) per item, from the training images on disk."""
+    from tqdm import tqdm
+
+    from embedding.thumbnails import tensor_thumbnail
+
+    raw = _train_raw(cfg, model, dataset_indices)
+    log(f"thumbnails of {len(dataset_indices)} {raw.name} training images")
+    return [
+        tensor_thumbnail(raw.source.get(int(i)))
+        for i in tqdm(
+            dataset_indices,
+            desc="thumbnails",
+            unit="img",
+            disable=None if cfg.progress else True,
+            leave=False,
+        )
+    ]
 
 
 def load_vectors(cfg: BuildConfig, log=_say) -> tuple[Vectors, object]:
@@ -402,6 +431,9 @@ def build(cfg: BuildConfig, log=_say) -> dict:
         )
         dataset = train_cfg.get("dataset") if isinstance(train_cfg, dict) else None
         emb_le = vec.embeddings.astype("<f4", copy=False)
+        thumbs = (
+            make_thumbnails(cfg, model, vec.dataset_indices, log) if cfg.thumbnails else [None] * n
+        )
         rows = (
             (
                 int(i),
@@ -409,8 +441,9 @@ def build(cfg: BuildConfig, log=_say) -> dict:
                 "trained",
                 {"dataset": dataset, "dataset_index": int(di)},
                 emb_le[int(i)].tobytes(),
+                th,
             )
-            for i, y, di in zip(ids, vec.label_ids, vec.dataset_indices, strict=True)
+            for i, y, di, th in zip(ids, vec.label_ids, vec.dataset_indices, thumbs, strict=True)
         )
         index_id = uuid.uuid4().hex
         create_store(

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from embedding.errors import SNCAError
@@ -19,7 +20,7 @@ from embedding.errors import SNCAError
 from .config import Settings
 from .embedder import ImageError
 from .logs import request_id, setup_logging
-from .routes import classify, gallery, ops, search
+from .routes import classify, gallery, ops, page, search
 from .state import ServiceState
 from .store import StoreUnavailable
 
@@ -175,8 +176,9 @@ def create_app(settings: Settings | None = None, state: ServiceState | None = No
         }
     app = FastAPI(title="snca", version="0.1.0", description=DESCRIPTION, lifespan=lifespan, **kw)
     app.state.snca = state
-    for r in (classify.router, gallery.router, search.router, ops.router):
+    for r in (classify.router, gallery.router, search.router, ops.router, page.router):
         app.include_router(r)
+    app.mount("/static", StaticFiles(directory=page.STATIC_DIR), name="static")
 
     @app.exception_handler(ImageError)
     async def _image_error(request: Request, e: ImageError):

@@ -14,6 +14,9 @@ class Neighbor(BaseModel):
     id: int
     label: str
     similarity: float
+    thumbnail_url: str | None = Field(
+        None, description="GET this for the item's thumbnail; null when none is kept"
+    )
 
 
 class ClassifyResult(BaseModel):
@@ -70,6 +73,9 @@ class SearchItem(BaseModel):
     similarity: float
     source: str
     metadata: dict | None = None
+    thumbnail_url: str | None = Field(
+        None, description="GET this for the item's thumbnail; null when none is kept"
+    )
 
 
 class SearchResult(BaseModel):

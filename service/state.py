@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from embedding import load_model
 from embedding.index import STORE_FILE, open_index_dir
+from embedding.thumbnails import make_thumbnail
 
 from .batcher import MicroBatcher
 from .config import Settings
@@ -46,6 +47,7 @@ class Prepared:
     tensor: torch.Tensor
     data: bytes
     mime: str
+    thumbnail: bytes | None = None  # when asked for (gallery adds with SNCA_THUMBNAILS)
 
 
 class ServiceState:
@@ -149,11 +151,14 @@ class ServiceState:
         """Decode + preprocess one upload (blocking; see `prepare_async`)."""
         return self._finish(open_image(data, self.settings.max_image_pixels, name), data, name)
 
-    def _finish(self, img, data: bytes, name: str) -> Prepared:
+    def _finish(self, img, data: bytes, name: str, thumbnail: bool = False) -> Prepared:
         img, mime = load_image(img, name)
-        return Prepared(self.embedder.preprocess(img), data, mime)
+        thumb = make_thumbnail(img, self.settings.thumbnail_side) if thumbnail else None
+        return Prepared(self.embedder.preprocess(img), data, mime, thumb)
 
-    async def prepare_async(self, datas: list[bytes], names: list[str]) -> list[Prepared]:
+    async def prepare_async(
+        self, datas: list[bytes], names: list[str], thumbnails: bool = False
+    ) -> list[Prepared]:
         """Decode + preprocess uploads. The header is read on the event loop (cheap, bounded);
         small images (at most INLINE_PIXELS in all, e.g. 28x28 or 64x64) are decoded there
         too, because a thread hop costs more than decoding them; larger ones in a thread."""
@@ -161,10 +166,11 @@ class ServiceState:
             open_image(d, self.settings.max_image_pixels, n)
             for d, n in zip(datas, names, strict=True)
         ]
+        t = thumbnails
         if sum(i.size[0] * i.size[1] for i in imgs) <= INLINE_PIXELS:
-            return [self._finish(i, d, n) for i, d, n in zip(imgs, datas, names, strict=True)]
+            return [self._finish(i, d, n, t) for i, d, n in zip(imgs, datas, names, strict=True)]
         return await run_in_threadpool(
-            lambda: [self._finish(i, d, n) for i, d, n in zip(imgs, datas, names, strict=True)]
+            lambda: [self._finish(i, d, n, t) for i, d, n in zip(imgs, datas, names, strict=True)]
         )
 
     def _run_batch(self, jobs: list[Job]) -> list:
@@ -200,11 +206,11 @@ class ServiceState:
 
     # ------------------------------------------------------------------ writes
     def add(
-        self, label: str, emb: np.ndarray, metadata: list, images: list
+        self, label: str, emb: np.ndarray, metadata: list, images: list, thumbnails=None
     ) -> tuple[list[int], int]:
         with self.write_lock:
             try:
-                seq, ids = self.store.add(label, emb, metadata, images)
+                seq, ids = self.store.add(label, emb, metadata, images, thumbnails)
             except StoreUnavailable as e:
                 self.last_write_error = str(e)
                 raise

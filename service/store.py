@@ -21,7 +21,7 @@ import numpy as np
 
 from embedding.artifacts import fsync_dir
 from embedding.errors import ArtifactError
-from embedding.gallery import open_store, read_meta, utc_now
+from embedding.gallery import migrate_store, open_store, read_meta, utc_now
 
 
 class StoreUnavailable(Exception):
@@ -57,6 +57,10 @@ class GalleryStore:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.execute("PRAGMA busy_timeout=5000")
+        try:
+            migrate_store(self.conn)  # a store written by an older version: add the new columns
+        except sqlite3.DatabaseError as e:
+            raise ArtifactError(f"cannot upgrade gallery store {self.path}: {e}") from None
         meta = read_meta(self.conn)
         if meta.get("model_fingerprint") != model_fingerprint:
             raise ArtifactError(
@@ -116,20 +120,44 @@ class GalleryStore:
             ).fetchall()
         return [(r[0], r[1], _vec(r[2]), r[3]) for r in rows]
 
-    def items(self, ids: list[int]) -> dict[int, tuple[str, str, dict | None]]:
-        """id -> (label, source, metadata) for the live items among `ids`."""
+    def items(self, ids: list[int]) -> dict[int, tuple[str, str, dict | None, bool]]:
+        """id -> (label, source, metadata, has a thumbnail) for the live items among `ids`."""
         out = {}
         for s in range(0, len(ids), 500):  # SQLite caps the number of bound parameters
             chunk = [int(i) for i in ids[s : s + 500]]
             q = ",".join("?" * len(chunk))
             with self._lock:
                 rows = self.conn.execute(
-                    f"SELECT id, label, source, metadata FROM items "
+                    f"SELECT id, label, source, metadata, thumbnail IS NOT NULL FROM items "
                     f"WHERE deleted_seq IS NULL AND id IN ({q})",
                     chunk,
                 ).fetchall()
-            out.update({r[0]: (r[1], r[2], json.loads(r[3]) if r[3] else None) for r in rows})
+            out.update(
+                {r[0]: (r[1], r[2], json.loads(r[3]) if r[3] else None, bool(r[4])) for r in rows}
+            )
         return out
+
+    def with_thumbnails(self, ids: list[int]) -> set[int]:
+        """The live items among `ids` (at most a few hundred) that have a thumbnail."""
+        chunk = [int(i) for i in ids[:500]]
+        if not chunk:
+            return set()
+        q = ",".join("?" * len(chunk))
+        with self._lock:
+            rows = self.conn.execute(
+                f"SELECT id FROM items WHERE deleted_seq IS NULL AND thumbnail IS NOT NULL "
+                f"AND id IN ({q})",
+                chunk,
+            ).fetchall()
+        return {r[0] for r in rows}
+
+    def thumbnail(self, item_id: int) -> bytes | None:
+        """The thumbnail of a live item, or None (no such item, deleted, or none kept)."""
+        with self._lock:
+            row = self.conn.execute(
+                "SELECT thumbnail FROM items WHERE id = ? AND deleted_seq IS NULL", (int(item_id),)
+            ).fetchone()
+        return None if row is None else row[0]
 
     def live_ids_of(self, label: str) -> list[int]:
         with self._lock:
@@ -179,8 +207,10 @@ class GalleryStore:
         embeddings: np.ndarray,
         metadata: list[dict | None],
         images: list[tuple[bytes, str] | None],
+        thumbnails: list[bytes | None] | None = None,
     ) -> tuple[int, list[int]]:
         """Insert len(embeddings) items of `label`; return (seq, ids)."""
+        thumbs = thumbnails if thumbnails is not None else [None] * len(embeddings)
         now = utc_now()
 
         def fn(conn, seq):
@@ -190,7 +220,7 @@ class GalleryStore:
             ids = list(range(next_id, next_id + len(embeddings)))
             conn.executemany(
                 "INSERT INTO items (id, label, source, metadata, created_at, embedding, image, "
-                "image_type, add_seq) VALUES (?, ?, 'added', ?, ?, ?, ?, ?, ?)",
+                "image_type, thumbnail, add_seq) VALUES (?, ?, 'added', ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (
                         i,
@@ -200,9 +230,12 @@ class GalleryStore:
                         _blob(e),
                         None if img is None else img[0],
                         None if img is None else img[1],
+                        th,
                         seq,
                     )
-                    for i, e, md, img in zip(ids, embeddings, metadata, images, strict=True)
+                    for i, e, md, img, th in zip(
+                        ids, embeddings, metadata, images, thumbs, strict=True
+                    )
                 ],
             )
             conn.execute(

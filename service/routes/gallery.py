@@ -6,8 +6,10 @@ import asyncio
 from typing import Annotated
 
 import numpy as np
-from fastapi import APIRouter, File, Form, HTTPException, UploadFile
+from fastapi import APIRouter, File, Form, HTTPException, Response, UploadFile
 from starlette.concurrency import run_in_threadpool
+
+from embedding.thumbnails import thumbnail_mime
 
 from ..deps import ReadKey, StateDep, WriteKey, check_label, parse_metadata
 from ..schemas import AddResult, DeleteResult, ErrorBody, LabelInfo, LabelsResult
@@ -58,13 +60,16 @@ async def add(
         )
     md = parse_metadata(metadata, len(images), s.max_metadata_bytes)
     datas = [await f.read() for f in images]
-    prepared = await state.prepare_async(datas, [f"images[{i}]" for i in range(len(datas))])
+    prepared = await state.prepare_async(
+        datas, [f"images[{i}]" for i in range(len(datas))], thumbnails=s.thumbnails
+    )
     emb = np.stack(await asyncio.gather(*[state.embed(p) for p in prepared]))
     stored = [
         (p.data, p.mime) if s.store_images and len(p.data) <= s.max_stored_image_bytes else None
         for p in prepared
     ]
-    ids, seq = await run_in_threadpool(state.add, label, emb, md, stored)
+    thumbs = [p.thumbnail for p in prepared]
+    ids, seq = await run_in_threadpool(state.add, label, emb, md, stored, thumbs)
     count = int(state.gallery.counts[state.gallery.label_id[label]])
     return AddResult(ids=ids, label=label, count=count, gallery_version=seq)
 
@@ -109,3 +114,24 @@ async def delete_item(state: StateDep, _: WriteKey, item_id: int):
     if not rows:
         raise HTTPException(404, f"no item {item_id} in the gallery")
     return DeleteResult(deleted=[item_id], label=label, gallery_version=seq)
+
+
+@router.get(
+    "/items/{item_id}/thumbnail",
+    responses={
+        200: {"content": {"image/png": {}, "image/jpeg": {}}, "description": "the thumbnail"},
+        404: {"model": ErrorBody, "description": "no such live item, or no thumbnail kept"},
+    },
+    response_class=Response,
+    summary="A gallery item's thumbnail (cacheable: ids are never reused)",
+)
+async def thumbnail(state: StateDep, _: ReadKey, item_id: int):
+    data = await run_in_threadpool(state.store.thumbnail, item_id)
+    if data is None:
+        raise HTTPException(404, f"no thumbnail for item {item_id}")
+    # An id is never reused and its thumbnail never changes: cache for a year.
+    return Response(
+        data,
+        media_type=thumbnail_mime(data),
+        headers={"Cache-Control": "public, max-age=31536000, immutable", "ETag": f'"t{item_id}"'},
+    )

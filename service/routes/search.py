@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..deps import ReadKey, StateDep
 from ..schemas import SearchItem, SearchResult
-from .classify import ERRORS
+from .classify import ERRORS, thumbnail_url
 
 router = APIRouter(tags=["search"])
 
@@ -40,7 +40,14 @@ async def search(
     )
     info = await run_in_threadpool(state.store.items, [i for i, _ in hits])
     items = [
-        SearchItem(id=i, label=info[i][0], similarity=s, source=info[i][1], metadata=info[i][2])
+        SearchItem(
+            id=i,
+            label=info[i][0],
+            similarity=s,
+            source=info[i][1],
+            metadata=info[i][2],
+            thumbnail_url=thumbnail_url(i) if info[i][3] else None,
+        )
         for i, s in hits
         if i in info  # an item deleted since the search is left out
     ]

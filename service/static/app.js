@@ -1,0 +1,236 @@
+// The snca page: plain JavaScript against the service's own HTTP API (no build step).
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const thumbCache = new Map(); // thumbnail URL -> object URL
+
+function apiKey() { return $("apikey").value.trim(); }
+
+function headers() {
+  const h = {};
+  if (apiKey()) h["X-API-Key"] = apiKey();
+  return h;
+}
+
+function say(text, ok = false) {
+  const m = $("message");
+  m.textContent = text;
+  m.className = ok ? "ok" : "";
+  m.hidden = !text;
+}
+
+// fetch + JSON, turning the service's {"detail": ...} errors into readable messages.
+async function api(path, options = {}) {
+  let resp;
+  try {
+    resp = await fetch(path, { ...options, headers: { ...headers(), ...(options.headers || {}) } });
+  } catch (e) {
+    throw new Error(`cannot reach the service (${e.message})`);
+  }
+  let body = null;
+  try { body = await resp.json(); } catch (_) { /* not JSON */ }
+  if (!resp.ok) {
+    const detail = body && body.detail ? body.detail : resp.statusText;
+    const hint = resp.status === 401 ? " — enter the server's API key at the top right" : "";
+    throw new Error(`${resp.status}: ${detail}${hint}`);
+  }
+  return body;
+}
+
+async function thumbnail(url) {
+  if (!url) return null;
+  if (thumbCache.has(url)) return thumbCache.get(url);
+  const resp = await fetch(url, { headers: headers() });
+  if (!resp.ok) return null;
+  const obj = URL.createObjectURL(await resp.blob());
+  thumbCache.set(url, obj);
+  return obj;
+}
+
+function cell(item) {
+  const div = document.createElement("div");
+  div.className = "cell";
+  div.dataset.id = item.id;
+  const ph = document.createElement("span");
+  ph.className = "noimg";
+  ph.textContent = "no preview";
+  div.append(ph);
+  const sim = document.createElement("div");
+  sim.innerHTML = "";
+  const lab = document.createElement("strong");
+  lab.className = "cell-label";
+  lab.textContent = item.label;
+  sim.append(lab, document.createElement("br"), `${item.similarity.toFixed(3)} · #${item.id}`);
+  div.append(sim);
+  thumbnail(item.thumbnail_url).then((src) => {
+    if (!src) return;
+    const img = document.createElement("img");
+    img.src = src;
+    img.alt = item.label;
+    ph.replaceWith(img);
+  });
+  return div;
+}
+
+function pct(p) { return `${(100 * p).toFixed(1)}%`; }
+
+// ---------------------------------------------------------------- tabs
+function showTab(name) {
+  for (const b of document.querySelectorAll("nav button")) {
+    b.setAttribute("aria-selected", String(b.dataset.tab === name));
+  }
+  for (const s of document.querySelectorAll("section.tab")) s.hidden = s.id !== `tab-${name}`;
+  say("");
+  if (name === "labels") loadLabels();
+}
+
+// ---------------------------------------------------------------- classify
+async function classify(file) {
+  say("");
+  const fd = new FormData();
+  fd.append("image", file);
+  const q = new URLSearchParams({ k: $("classify-k").value || "30", vote: $("classify-vote").value, neighbors: "true" });
+  $("classify-preview").src = URL.createObjectURL(file);
+  try {
+    const r = await api(`/classify?${q}`, { method: "POST", body: fd });
+    $("classify-result").hidden = false;
+    $("classify-label").textContent = r.label ?? "(empty gallery)";
+    $("classify-confidence").textContent = pct(r.confidence);
+    $("classify-unknown").hidden = !r.unknown;
+    const probs = $("classify-probs");
+    probs.replaceChildren(...r.probabilities.map((p) => {
+      const li = document.createElement("li");
+      const bar = document.createElement("span");
+      bar.className = "bar";
+      bar.style.width = `${Math.max(2, 120 * p.probability)}px`;
+      li.append(`${p.label} ${pct(p.probability)}`, bar);
+      return li;
+    }));
+    const nb = (r.neighbors || []).slice(0, 10);
+    $("classify-neighbours-title").hidden = nb.length === 0;
+    $("classify-neighbours").replaceChildren(...nb.map(cell));
+    refreshStatus();
+  } catch (e) {
+    $("classify-result").hidden = true;
+    $("classify-neighbours").replaceChildren();
+    say(e.message);
+  }
+}
+
+// ---------------------------------------------------------------- register
+async function register(ev) {
+  ev.preventDefault();
+  say("");
+  const files = $("register-files").files;
+  const label = $("register-label").value.trim();
+  if (!label) return say("enter a label");
+  if (!files.length) return say("pick at least one image");
+  const fd = new FormData();
+  fd.append("label", label);
+  for (const f of files) fd.append("images", f);
+  const md = $("register-metadata").value.trim();
+  if (md) fd.append("metadata", md);
+  $("register-submit").disabled = true;
+  try {
+    const r = await api("/gallery/add", { method: "POST", body: fd });
+    $("register-summary").textContent = `Registered ${r.ids.length} image(s) as "${r.label}" (now ${r.count}; ids ${r.ids.join(", ")}).`;
+    const check = new FormData();
+    check.append("image", files[0]);
+    const c = await api("/classify", { method: "POST", body: check });
+    $("register-check").textContent = `${c.label} (${pct(c.confidence)})`;
+    $("register-result").hidden = false;
+    say(`"${r.label}" is in the gallery`, true);
+    refreshStatus();
+  } catch (e) {
+    say(e.message);
+  } finally {
+    $("register-submit").disabled = false;
+  }
+}
+
+// ---------------------------------------------------------------- labels
+async function loadLabels() {
+  try {
+    const r = await api("/gallery/labels");
+    const rows = r.labels.map((l) => {
+      const tr = document.createElement("tr");
+      tr.dataset.label = l.label;
+      for (const v of [l.label, String(l.count), l.source]) {
+        const td = document.createElement("td");
+        td.textContent = v;
+        tr.append(td);
+      }
+      const td = document.createElement("td");
+      const b = document.createElement("button");
+      b.textContent = "delete";
+      b.addEventListener("click", () => deleteLabel(l.label, l.count));
+      td.append(b);
+      tr.append(td);
+      return tr;
+    });
+    $("labels-table").tBodies[0].replaceChildren(...rows);
+  } catch (e) {
+    say(e.message);
+  }
+}
+
+async function deleteLabel(label, count) {
+  if (!confirm(`Delete all ${count} items of "${label}"?`)) return;
+  try {
+    const r = await api(`/gallery/labels/${encodeURIComponent(label)}`, { method: "DELETE" });
+    say(`deleted ${r.deleted.length} item(s) of "${label}"`, true);
+    loadLabels();
+    refreshStatus();
+  } catch (e) {
+    say(e.message);
+  }
+}
+
+// ---------------------------------------------------------------- search
+async function search(file) {
+  say("");
+  const fd = new FormData();
+  fd.append("image", file);
+  try {
+    const r = await api(`/search?k=${encodeURIComponent($("search-k").value || "12")}`, { method: "POST", body: fd });
+    $("search-results").replaceChildren(...r.items.map(cell));
+  } catch (e) {
+    $("search-results").replaceChildren();
+    say(e.message);
+  }
+}
+
+// ---------------------------------------------------------------- wiring
+async function refreshStatus() {
+  try {
+    const r = await api("/gallery/labels");
+    $("status").textContent = `${r.total} items · ${r.labels.length} labels · version ${r.gallery_version}`;
+  } catch (e) {
+    $("status").textContent = e.message.startsWith("401") ? "API key needed" : "service unreachable";
+  }
+}
+
+function dropZone(zone, input, onFile) {
+  zone.addEventListener("dragover", (e) => { e.preventDefault(); zone.classList.add("over"); });
+  zone.addEventListener("dragleave", () => zone.classList.remove("over"));
+  zone.addEventListener("drop", (e) => {
+    e.preventDefault();
+    zone.classList.remove("over");
+    if (e.dataTransfer.files.length) onFile(e.dataTransfer.files[0]);
+  });
+  input.addEventListener("change", () => { if (input.files.length) onFile(input.files[0]); });
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("apikey").value = localStorage.getItem("snca-api-key") || "";
+  $("apikey").addEventListener("change", () => {
+    localStorage.setItem("snca-api-key", apiKey());
+    refreshStatus();
+  });
+  for (const b of document.querySelectorAll("nav button")) b.addEventListener("click", () => showTab(b.dataset.tab));
+  dropZone($("classify-drop"), $("classify-file"), classify);
+  dropZone($("search-file").parentElement, $("search-file"), search);
+  $("register-form").addEventListener("submit", register);
+  for (const f of ["classify-form", "search-form"]) $(f).addEventListener("submit", (e) => e.preventDefault());
+  refreshStatus();
+});

@@ -1,0 +1,122 @@
+"""The web page in a real browser: Debian's Chromium (/usr/bin/chromium, installed by `make
+test`) driven by Playwright, against a real snca-serve process on loopback with thumbnails."""
+
+import os
+import shutil
+
+import httpx
+import pytest
+
+from tests.conftest import run_cli
+
+from .conftest import Server, of_class, png
+
+CHROMIUM = "/usr/bin/chromium"
+# Flags for a sandboxed machine with no outside network (the background services of Chromium
+# would try to reach Google's hosts; as root it needs --no-sandbox).
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def server(base_run, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("browser")
+    p = run_cli("index_builder", base_run, "--out", tmp / "index", "--thumbnails", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    s = Server(base_run, tmp / "serve", None, "--index", str(tmp / "index"), "--thumbnails")
+    yield s
+    s.kill(15)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} missing: `make test` installs it (apt)"
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        yield b
+        b.close()
+
+
+@pytest.mark.slow
+def test_classify_register_labels_search_in_the_browser(server, browser, tmp_path, fmnist_test):
+    from playwright.sync_api import expect
+
+    files = {}
+    for name, i in (
+        ("sneaker", of_class(fmnist_test, 7, 1)[0]),
+        ("tee1", of_class(fmnist_test, 0, 1)[0]),
+        ("tee2", of_class(fmnist_test, 0, 1, 1)[0]),
+        ("tee3", of_class(fmnist_test, 0, 1, 2)[0]),
+    ):
+        files[name] = tmp_path / f"{name}.png"
+        files[name].write_bytes(png(fmnist_test, i))
+    (tmp_path / "notes.png").write_text("this is text, not an image")
+    expected = httpx.post(
+        server.url + "/classify", files={"image": ("q.png", files["sneaker"].read_bytes())}
+    ).json()["label"]
+
+    page = browser.new_page(viewport={"width": 1100, "height": 900})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/")
+    expect(page.locator("#status")).to_contain_text("items")
+
+    # classify: the label the API gives, and a row of neighbour thumbnails
+    page.set_input_files("#classify-file", str(files["sneaker"]))
+    expect(page.locator("#classify-label")).to_have_text(expected)
+    expect(page.locator("#classify-neighbours .cell img")).to_have_count(10)
+    page.screenshot(path=str(tmp_path / "classify.png"), full_page=True)
+
+    # a 4xx from the service is shown as a readable message, not a crash
+    page.set_input_files("#classify-file", str(tmp_path / "notes.png"))
+    expect(page.locator("#message")).to_contain_text("415")
+
+    # register a label from three images; the page classifies the first one right away
+    page.click("nav button[data-tab=register]")
+    page.fill("#register-label", "my-tee")
+    page.set_input_files("#register-files", [str(files[n]) for n in ("tee1", "tee2", "tee3")])
+    page.click("#register-submit")
+    expect(page.locator("#register-check")).to_contain_text("my-tee")
+    expect(page.locator("#message")).to_contain_text("is in the gallery")
+
+    # the label list shows it with its count; delete asks first, then removes it
+    page.click("nav button[data-tab=labels]")
+    row = page.locator("#labels-table tr[data-label='my-tee']")
+    expect(row).to_contain_text("3")
+    # retrieval: the registered images come back first for one of them
+    page.click("nav button[data-tab=search]")
+    page.set_input_files("#search-file", str(files["tee2"]))
+    expect(page.locator("#search-results .cell").first).to_contain_text("my-tee")
+    expect(page.locator("#search-results .cell img").first).to_be_visible()
+    page.screenshot(path=str(tmp_path / "search.png"), full_page=True)
+
+    page.click("nav button[data-tab=labels]")
+    page.once("dialog", lambda d: d.accept())
+    row.locator("button").click()
+    expect(row).to_have_count(0)
+    labels = httpx.get(server.url + "/gallery/labels").json()["labels"]
+    assert "my-tee" not in {x["label"] for x in labels}
+
+    # phone width: nothing wider than the screen
+    phone = browser.new_page(viewport={"width": 390, "height": 844})
+    phone.goto(server.url + "/")
+    phone.set_input_files("#classify-file", str(files["sneaker"]))
+    expect(phone.locator("#classify-label")).to_have_text(expected)
+    assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    phone.screenshot(path=str(tmp_path / "phone.png"), full_page=True)
+    assert errors == []
+    if os.environ.get("SNCA_SCREENSHOT_DIR"):  # for the README: SNCA_SCREENSHOT_DIR=docs
+        shutil.copy(
+            tmp_path / "classify.png", os.path.join(os.environ["SNCA_SCREENSHOT_DIR"], "page.png")
+        )
+    for shot in ("classify", "search", "phone"):
+        assert (tmp_path / f"{shot}.png").read_bytes()[:4] == b"\x89PNG"
