@@ -21,6 +21,7 @@ from .config import Settings
 from .embedder import ImageError
 from .logs import request_id, setup_logging
 from .routes import classify, gallery, ops, page, search
+from .schemas import ErrorBody
 from .state import ServiceState
 from .store import StoreUnavailable
 
@@ -211,4 +212,35 @@ def create_app(settings: Settings | None = None, state: ServiceState | None = No
         return JSONResponse({"detail": e.detail}, status_code=e.status_code, headers=e.headers)
 
     app.add_middleware(RequestContext, state=state)
+    _document_errors_as_sent(app)
     return app
+
+
+def _document_errors_as_sent(app: FastAPI) -> None:
+    """Every error, 422 included, is sent as {"detail": "..."} (the handlers above); FastAPI's
+    generated schema documents 422 as its own list-of-errors model. Rewrite those entries so the
+    published schema matches what clients receive (schemathesis checks it)."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        comps.setdefault("ErrorBody", ErrorBody.model_json_schema())
+        for path_ops in schema.get("paths", {}).values():
+            for op in path_ops.values():
+                r422 = op.get("responses", {}).get("422")
+                if r422 is not None:
+                    r422["description"] = "invalid field (the message names it)"
+                    r422["content"] = {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}
+                    }
+        for name in ("HTTPValidationError", "ValidationError"):
+            comps.pop(name, None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

@@ -6,7 +6,7 @@ import asyncio
 from typing import Annotated
 
 import numpy as np
-from fastapi import APIRouter, File, Form, HTTPException, Response, UploadFile
+from fastapi import APIRouter, File, Form, HTTPException, Path, Response, UploadFile
 from starlette.concurrency import run_in_threadpool
 
 from embedding.thumbnails import thumbnail_mime
@@ -15,6 +15,9 @@ from ..deps import ReadKey, StateDep, WriteKey, check_label, parse_metadata
 from ..schemas import AddResult, DeleteResult, ErrorBody, LabelInfo, LabelsResult
 
 router = APIRouter(prefix="/gallery", tags=["gallery"])
+
+# Ids are SQLite integers (64-bit): a larger number is a 422, not an overflow deeper down.
+ItemId = Annotated[int, Path(ge=0, le=2**63 - 1, description="gallery item id")]
 
 WRITE_ERRORS = {
     400: {"model": ErrorBody, "description": "undecodable image"},
@@ -106,7 +109,7 @@ async def delete_label(state: StateDep, _: WriteKey, label: str):
     responses=WRITE_ERRORS | {404: {"model": ErrorBody}},
     summary="Delete one item",
 )
-async def delete_item(state: StateDep, _: WriteKey, item_id: int):
+async def delete_item(state: StateDep, _: WriteKey, item_id: ItemId):
     label = state.gallery.label_of_id(item_id)
     if label is None:
         raise HTTPException(404, f"no item {item_id} in the gallery")
@@ -125,7 +128,7 @@ async def delete_item(state: StateDep, _: WriteKey, item_id: int):
     response_class=Response,
     summary="A gallery item's thumbnail (cacheable: ids are never reused)",
 )
-async def thumbnail(state: StateDep, _: ReadKey, item_id: int):
+async def thumbnail(state: StateDep, _: ReadKey, item_id: ItemId):
     data = await run_in_threadpool(state.store.thumbnail, item_id)
     if data is None:
         raise HTTPException(404, f"no thumbnail for item {item_id}")

@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..deps import StateDep, WriteKey
-from ..schemas import SnapshotResult
+from ..schemas import ErrorBody, SnapshotResult
 
 router = APIRouter(tags=["operations"])
 
@@ -35,14 +35,25 @@ async def readyz(request: Request):
     return JSONResponse(body, status_code=200 if writable else 503)
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}},
+)
 async def metrics(request: Request):
     body, ctype = request.app.state.snca.metrics.render()
     return Response(body, media_type=ctype)
 
 
 @router.post(
-    "/admin/snapshot", response_model=SnapshotResult, summary="Write an index snapshot now"
+    "/admin/snapshot",
+    response_model=SnapshotResult,
+    summary="Write an index snapshot now",
+    responses={
+        401: {"model": ErrorBody, "description": "missing or wrong API key"},
+        503: {"model": ErrorBody, "description": "the snapshot cannot be written"},
+    },
 )
 async def snapshot(state: StateDep, _: WriteKey):
     seq, path = await run_in_threadpool(state.snapshot)
