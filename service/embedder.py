@@ -24,6 +24,30 @@ FORMATS = {
 }
 
 
+# Leading bytes of each accepted format: a file that starts like one of them but that Pillow
+# cannot identify is a broken image (400), not a foreign format (415).
+SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+)
+
+
+def sniff(data: bytes) -> str | None:
+    """The accepted format `data` claims to be by its leading bytes, or None."""
+    for sig, fmt in SIGNATURES:
+        if data.startswith(sig):
+            return fmt
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    if data[:2] == b"BM" and len(data) >= 14 and int.from_bytes(data[2:6], "little") >= 14:
+        return "BMP"
+    return None
+
+
 class ImageError(Exception):
     """A client's image is unusable; `status` is the HTTP status to answer with."""
 
@@ -41,6 +65,12 @@ def open_image(data: bytes, max_pixels: int, name: str = "image") -> Image.Image
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
     except UnidentifiedImageError:
+        claimed = sniff(data)
+        if claimed:
+            raise ImageError(
+                400,
+                f"{name}: starts like a {claimed} file but cannot be read (truncated or corrupt)",
+            ) from None
         raise ImageError(415, f"{name}: not an image ({', '.join(FORMATS)} are accepted)") from None
     except Image.DecompressionBombError as e:
         raise ImageError(413, f"{name}: too many pixels ({e})") from None
