@@ -1,0 +1,305 @@
+"""Faults on a real server process: the disk fills up, SIGTERM arrives during batches, clients
+interleave writes and reads, kill -9 lands at random points of add/delete traffic. Nothing
+acknowledged is lost, nothing deleted comes back, and the store stays intact.
+
+SNCA_STRESS_ROUNDS (default 3) sets the kill -9 rounds; `make stress` runs many more."""
+
+import json
+import os
+import random
+import resource
+import signal
+import sqlite3
+import threading
+import time
+
+import httpx
+import pytest
+
+from .conftest import Server, of_class, png
+
+ROUNDS = int(os.environ.get("SNCA_STRESS_ROUNDS", "3"))
+
+
+def _add(c, label, image, n=1):
+    files = [("images", (f"{i}.png", image, "image/png")) for i in range(n)]
+    return c.post("/gallery/add", data={"label": label}, files=files)
+
+
+@pytest.mark.slow
+def test_disk_full_answers_503_keeps_reads_and_recovers(base_run, tmp_path, fmnist_test):
+    """RLIMIT_FSIZE = 0 on the running server: no file of the process may grow, which is what
+    a full disk looks like to it (EFBIG instead of ENOSPC; Python ignores SIGXFSZ)."""
+    img = png(fmnist_test, 0)
+    server = Server(base_run, tmp_path / "serve")
+    pid = server.proc.pid
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            assert _add(c, "before", img).status_code == 200
+            for i in range(30):  # grow the WAL past its first pages
+                assert _add(c, f"fill{i}", img, 4).status_code == 200
+            before = c.get("/gallery/labels").json()
+            _, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (0, hard))
+            failed = 0
+            for i in range(20):
+                r = _add(c, f"during{i}", img, 4)
+                assert r.status_code in (200, 503), r.text
+                if r.status_code == 503:
+                    failed += 1
+                    assert "nothing was changed" in r.json()["detail"], r.text
+            assert failed > 0  # the fault was real
+            r = c.post("/classify", files={"image": ("q.png", img)})
+            assert r.status_code == 200  # reads keep working
+            assert c.post("/search", files={"image": ("q.png", img)}).status_code == 200
+            assert c.get("/readyz").status_code == 503  # store not writable: out of rotation
+            during = {x["label"]: x["count"] for x in c.get("/gallery/labels").json()["labels"]}
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))  # space is back
+            r = _add(c, "after", img, 2)
+            assert r.status_code == 200, r.text
+            assert c.get("/readyz").status_code == 200
+            acked = {x["label"]: x["count"] for x in before["labels"]}
+            for lab, n in during.items():  # whatever was acknowledged during the fault
+                acked.setdefault(lab, n)
+            acked["after"] = 2
+    finally:
+        server.kill(signal.SIGTERM)
+    conn = sqlite3.connect(tmp_path / "serve" / "gallery.sqlite")
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    conn.close()
+    server = Server(base_run, tmp_path / "serve")
+    try:
+        got = {
+            x["label"]: x["count"]
+            for x in httpx.get(server.url + "/gallery/labels").json()["labels"]
+        }
+        assert got == acked
+    finally:
+        server.kill(signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_sigterm_lets_in_flight_requests_finish(base_run, tmp_path, fmnist_test):
+    batch = [("images", (f"{i}.png", png(fmnist_test, i), "image/png")) for i in range(32)]
+    server = Server(base_run, tmp_path / "serve")
+    outcomes, lock, stop = [], threading.Lock(), threading.Event()
+
+    def client():
+        while not stop.is_set():
+            try:  # a new connection per request: no idle keep-alive races
+                with httpx.Client(base_url=server.url, timeout=30) as c:
+                    r = c.post("/classify/batch", files=batch, headers={"Connection": "close"})
+                    res = r.status_code if r.status_code != 200 else len(r.json()["results"])
+            except httpx.ConnectError:
+                res = "refused"  # after the listener closed: never accepted
+            except httpx.HTTPError as e:
+                res = f"dropped: {type(e).__name__}"
+            with lock:
+                outcomes.append(res)
+
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    code = server.proc.wait(timeout=60)
+    took = time.monotonic() - t0
+    stop.set()
+    for t in threads:
+        t.join()
+    log = server.read_log()
+    server.kill()
+    done = [o for o in outcomes if o == 32]
+    bad = [o for o in outcomes if o not in (32, "refused")]
+    # uvicorn shuts down gracefully, then re-raises SIGTERM so the parent sees it: -15 (143)
+    assert code in (0, -signal.SIGTERM) and took < 30
+    assert "Finished server process" in log or "shutdown" in log.lower(), log[-2000:]
+    assert len(done) > 6 and bad == [], outcomes
+
+
+@pytest.mark.slow
+def test_interleaved_writes_and_reads_stay_consistent(base_run, tmp_path, fmnist_test):
+    """Each writer adds items under its own label, checks /search sees every acknowledged add,
+    deletes one, and checks /search never returns it again, while readers classify."""
+    server = Server(base_run, tmp_path / "serve")
+    errors, stop = [], threading.Event()
+    imgs = [png(fmnist_test, int(i)) for i in of_class(fmnist_test, 0, 40)]
+
+    def writer(w):
+        rng = random.Random(w)
+        live: set[int] = set()
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            for step in range(12):
+                r = _add(c, f"w{w}", imgs[rng.randrange(len(imgs))], 2)
+                if r.status_code != 200:
+                    errors.append(f"w{w} add {r.status_code}")
+                    return
+                live |= set(r.json()["ids"])
+                hits = c.post(
+                    "/search",
+                    files={"image": ("q.png", imgs[0])},
+                    params={"label": f"w{w}", "k": 1000},
+                ).json()["items"]
+                got = {h["id"] for h in hits}
+                if got != live:
+                    errors.append(f"w{w} step {step}: search {sorted(got)} != acked {sorted(live)}")
+                gone = rng.choice(sorted(live))
+                if c.delete(f"/gallery/items/{gone}").status_code != 200:
+                    errors.append(f"w{w} delete {gone}")
+                live.discard(gone)
+                hits = c.post(
+                    "/search",
+                    files={"image": ("q.png", imgs[0])},
+                    params={"label": f"w{w}", "k": 1000},
+                ).json()["items"]
+                if gone in {h["id"] for h in hits}:
+                    errors.append(
+                        f"w{w}: deleted id {gone} returned after the delete was acknowledged"
+                    )
+
+    def reader():
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            while not stop.is_set():
+                r = c.post(
+                    "/classify", files={"image": ("q.png", imgs[1])}, params={"neighbors": "true"}
+                )
+                if r.status_code != 200:
+                    errors.append(f"classify {r.status_code}")
+
+    writers = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    try:
+        for t in writers + readers:
+            t.start()
+        for t in writers:
+            t.join()
+        stop.set()
+        for t in readers:
+            t.join()
+    finally:
+        server.kill(signal.SIGTERM)
+    assert errors == []
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_points_of_adds_and_deletes(base_run, tmp_path, fmnist_test):
+    data_dir = tmp_path / "serve"
+    img = png(fmnist_test, 3)
+    acked_add: dict[int, str] = {}  # id -> label
+    acked_del: set[int] = set()
+    tried_del: set[int] = set()  # a delete cut by the kill may or may not have been applied
+    lock = threading.Lock()
+    rng = random.Random(7)
+    for round_ in range(ROUNDS):
+        srv = Server(base_run, data_dir)
+        stop = threading.Event()
+
+        def client(w, srv=srv, stop=stop, round_=round_):
+            mine: list[int] = []
+            r_ = random.Random(round_ * 10 + w)
+            with httpx.Client(base_url=srv.url, timeout=10) as c:
+                while not stop.is_set():
+                    try:
+                        if mine and r_.random() < 0.4:
+                            victim = mine.pop(r_.randrange(len(mine)))
+                            with lock:
+                                tried_del.add(victim)
+                            r = c.delete(f"/gallery/items/{victim}")
+                            if r.status_code == 200:
+                                with lock:
+                                    acked_del.add(victim)
+                        else:
+                            label = f"r{round_}w{w}"
+                            r = c.post(
+                                "/gallery/add",
+                                data={"label": label, "metadata": json.dumps({"w": w})},
+                                files=[("images", ("a.png", img, "image/png"))] * 3,
+                            )
+                            if r.status_code == 200:
+                                with lock:
+                                    for i in r.json()["ids"]:
+                                        acked_add[i] = label
+                                mine += r.json()["ids"]
+                    except httpx.HTTPError:
+                        return  # killed mid-request: not acknowledged
+
+        threads = [threading.Thread(target=client, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(rng.uniform(0.5, 2.5))
+        srv.kill(signal.SIGKILL)
+        stop.set()
+        for t in threads:
+            t.join()
+    assert len(acked_add) > 20 and acked_del
+    conn = sqlite3.connect(data_dir / "gallery.sqlite")
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    live = {
+        r[0]
+        for r in conn.execute("SELECT id FROM items WHERE deleted_seq IS NULL AND source = 'added'")
+    }
+    conn.close()
+    assert set(acked_add) - tried_del <= live  # every acknowledged add nobody tried to delete
+    assert not (acked_del & live)  # every acknowledged delete
+    srv = Server(base_run, data_dir)
+    try:
+        labels = {
+            x["label"]: x["count"] for x in httpx.get(srv.url + "/gallery/labels").json()["labels"]
+        }
+        for label in set(acked_add.values()):
+            expect = sum(1 for i in live if acked_add.get(i) == label)
+            assert labels.get(label, 0) >= expect, label
+    finally:
+        srv.kill(signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_bad_index_refuses_to_start_and_bad_snapshot_is_replayed(base_run, tmp_path, fmnist_test):
+    import shutil
+    import subprocess
+    import sys
+
+    from embedding.index import INDEX_FILE
+
+    exe = [sys.executable, "-m", "service", "--model", str(base_run), "--port", "0"]
+    bad = tmp_path / "index"
+    shutil.copytree(base_run / "index", bad)
+    blob = bytearray((bad / INDEX_FILE).read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (bad / INDEX_FILE).write_bytes(bytes(blob))
+    for what in ("corrupt", "missing"):
+        if what == "missing":
+            (bad / INDEX_FILE).unlink()
+        p = subprocess.run(
+            [*exe, "--index", str(bad), "--data-dir", str(tmp_path / what)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 2, (what, p.stderr)
+        assert "snca-serve: error:" in p.stderr and INDEX_FILE in p.stderr, (what, p.stderr)
+        assert "Traceback" not in p.stderr
+    # a corrupt snapshot is not trusted: the service replays every write from the built index
+    data_dir = tmp_path / "serve"
+    srv = Server(base_run, data_dir)
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert _add(c, "a", png(fmnist_test, 0), 2).status_code == 200
+        assert c.post("/admin/snapshot").status_code == 200
+        assert _add(c, "b", png(fmnist_test, 1), 3).status_code == 200
+    srv.kill(signal.SIGKILL)
+    snaps = [
+        p for p in data_dir.rglob("*") if p.is_file() and "snapshot" in str(p.relative_to(data_dir))
+    ]
+    assert snaps
+    for p in snaps:
+        p.write_bytes(b"garbage" + p.read_bytes()[7:])
+    srv = Server(base_run, data_dir)
+    try:
+        labels = {
+            x["label"]: x["count"] for x in httpx.get(srv.url + "/gallery/labels").json()["labels"]
+        }
+        assert labels["a"] == 2 and labels["b"] == 3
+        assert "snapshot" in srv.read_log().lower()  # the warning says why it was ignored
+    finally:
+        srv.kill(signal.SIGTERM)
