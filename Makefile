@@ -9,7 +9,7 @@ OUT ?= runs/demo
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test install data browser lint bench reproduce clean
+.PHONY: run test install data browser lint bench reproduce stress clean
 
 run: install data ## set up, train the default model, index it, serve it (Ctrl-C stops)
 	$(PY) -m training --dataset fashion-mnist --arch conv4 --loss nca --epochs $(EPOCHS) \
@@ -73,6 +73,17 @@ lint: install
 # docs/RESULTS.md and docs/figures/. QUICK=1: small subsets, ~3 min, report in runs/reproduce-quick/docs.
 reproduce: install data
 	$(PY) -m training.reproduce $(if $(QUICK),--quick,)
+
+# The long reliability runs (docs/RELIABILITY.md): many kill -9 rounds, more fuzzing cases,
+# three passes of the hostile corpus, then a bounded soak (5 min at half of saturation).
+STRESS_ROUNDS ?= 20
+FUZZ_EXAMPLES ?= 100
+SOAK_MINUTES ?= 5
+stress: install data browser
+	test -d runs/bench-conv4/index || $(PY) benchmarks/service_load.py --prepare
+	SNCA_STRESS_ROUNDS=$(STRESS_ROUNDS) SNCA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s \
+		tests/service/test_faults.py tests/service/test_fuzz.py tests/service/test_hostile.py
+	$(PY) benchmarks/soak.py --minutes $(SOAK_MINUTES) --json docs/soak.json
 
 bench: install ## benchmarks/train_step.py (results go in docs/PERFORMANCE.md)
 	$(PY) benchmarks/train_step.py
