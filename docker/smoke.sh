@@ -3,6 +3,7 @@
 #
 #   docker/smoke.sh                         # build, compose up, classify, add, down/up, check
 #   KEEP=1 docker/smoke.sh                  # leave the stack and its volumes up afterwards
+#   SKIP_BUILD=1 docker/smoke.sh            # use the snca:cpu image already built
 #   BUILD_ARGS="--network host --build-arg BASE_IMAGE=local/python:3.11-bookworm --build-arg TORCH_INDEX_URL=" \
 #   SNCA_DATASET_DIR=/usr/share/datasets docker/smoke.sh        # the sandbox of ../shared/tools
 #
@@ -47,8 +48,10 @@ for profile in "" gpu train; do
 done
 
 step "build the CPU image"
-# shellcheck disable=SC2086
-docker build ${BUILD_ARGS:-} -f docker/Dockerfile -t snca:cpu .
+if [ -z "${SKIP_BUILD:-}" ]; then
+    # shellcheck disable=SC2086
+    docker build ${BUILD_ARGS:-} -f docker/Dockerfile -t snca:cpu .
+fi
 size=$(docker image inspect snca:cpu --format '{{.Size}}')
 echo "image snca:cpu: $((size / 1024 / 1024)) MiB"
 
