@@ -59,7 +59,8 @@ step "compose up (bootstrap trains the default model, then api)"
 "${COMPOSE[@]}" down -v >/dev/null 2>&1 || true
 t0=$SECONDS
 "${COMPOSE[@]}" up -d
-cold=$(wait_healthy)
+wait_healthy >/dev/null
+cold=$((SECONDS - t0))  # `up -d` itself waits for bootstrap (depends_on: completed)
 echo "api healthy ${cold}s after up (cold start, including bootstrap training)"
 "${COMPOSE[@]}" logs bootstrap | tail -n 8
 "${COMPOSE[@]}" ps
@@ -82,8 +83,10 @@ curl -sS -f "$URL/gallery/labels" | grep -q '"smoke-shoe"' || fail "label not li
 
 step "compose down, then up: the label survives"
 "${COMPOSE[@]}" down
+t0=$SECONDS
 "${COMPOSE[@]}" up -d
-warm=$(wait_healthy)
+wait_healthy >/dev/null
+warm=$((SECONDS - t0))
 echo "api healthy ${warm}s after up (warm start: bootstrap finds the model)"
 "${COMPOSE[@]}" logs bootstrap | grep -q "nothing to do" || fail "bootstrap retrained on the second up"
 labels=$(curl -sS -f "$URL/gallery/labels")
