@@ -1,7 +1,7 @@
 """`make reproduce`: the evaluation grid of the paper's claims on Fashion-MNIST with conv4, on CPU.
 
     python -m training.reproduce                 # whole grid (~46 min on 2 idle cores), docs/RESULTS.md
-    python -m training.reproduce --quick         # small subsets, ~3 min; report in OUT/docs/
+    python -m training.reproduce --quick         # small subsets, ~4.5 min; report in OUT/docs/
     python -m training.reproduce --only main,ablation --docs /tmp/report
 
 Trains every run of the grid with `python -m training` (one subprocess each, seed fixed), then
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--quick", action="store_true", help="small subsets, 1-2 epochs (~3 min)")
+    ap.add_argument("--quick", action="store_true", help="small subsets, 1-2 epochs (~4.5 min)")
     ap.add_argument("--out", type=Path, help="run dirs (default runs/reproduce[-quick])")
     ap.add_argument(
         "--docs", type=Path, help="report dir (default docs/, or OUT/docs with --quick)"
