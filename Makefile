@@ -69,7 +69,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The evaluation grid (training/reproduce.py): ~46 min on 2 idle cores, rewrites the report block of
+# The evaluation grid (training/reproduce.py): ~42 min on 2 idle cores, rewrites the report block of
 # docs/RESULTS.md and docs/figures/. QUICK=1: small subsets, ~4.5 min, report in runs/reproduce-quick/docs.
 reproduce: install data
 	$(PY) -m training.reproduce $(if $(QUICK),--quick,)

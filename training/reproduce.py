@@ -1,6 +1,6 @@
 """`make reproduce`: the evaluation grid of the paper's claims on Fashion-MNIST with conv4, on CPU.
 
-    python -m training.reproduce                 # whole grid (~46 min on 2 idle cores), docs/RESULTS.md
+    python -m training.reproduce                 # whole grid (~42 min on 2 idle cores), docs/RESULTS.md
     python -m training.reproduce --quick         # small subsets, ~4.5 min; report in OUT/docs/
     python -m training.reproduce --only main,ablation --docs /tmp/report
 
