@@ -86,6 +86,7 @@ def test_sigterm_lets_in_flight_requests_finish(base_run, tmp_path, fmnist_test)
 
     def client():
         while not stop.is_set():
+            began = time.monotonic()
             try:  # a new connection per request: no idle keep-alive races
                 with httpx.Client(base_url=server.url, timeout=30) as c:
                     r = c.post("/classify/batch", files=batch, headers={"Connection": "close"})
@@ -95,7 +96,7 @@ def test_sigterm_lets_in_flight_requests_finish(base_run, tmp_path, fmnist_test)
             except httpx.HTTPError as e:
                 res = f"dropped: {type(e).__name__}"
             with lock:
-                outcomes.append(res)
+                outcomes.append((began, time.monotonic(), res))
 
     threads = [threading.Thread(target=client) for _ in range(6)]
     for t in threads:
@@ -110,12 +111,20 @@ def test_sigterm_lets_in_flight_requests_finish(base_run, tmp_path, fmnist_test)
         t.join()
     log = server.read_log()
     server.kill()
-    done = [o for o in outcomes if o == 32]
-    bad = [o for o in outcomes if o not in (32, "refused")]
+    # In flight = begun well before the signal. A request sent just before it may still sit in
+    # the listen backlog or have its headers unread; uvicorn closes such connections on
+    # shutdown (the server never started them), so those may be dropped, never the others.
+    in_flight = [o for began, _, o in outcomes if began < t0 - 0.25]
+    late = [o for began, _, o in outcomes if began >= t0 - 0.25]
+    done = [o for o in in_flight if o == 32]
+    bad = [o for o in in_flight if o != 32]
+    bad += [o for o in late if o not in (32, "refused") and not str(o).startswith("dropped")]
     # uvicorn shuts down gracefully, then re-raises SIGTERM so the parent sees it: -15 (143)
     assert code in (0, -signal.SIGTERM) and took < 30
     assert "Finished server process" in log or "shutdown" in log.lower(), log[-2000:]
     assert len(done) > 6 and bad == [], outcomes
+    # the signal did land mid-traffic: some request under way at that instant still completed
+    assert any(b < t0 < e and o == 32 for b, e, o in outcomes), outcomes
 
 
 @pytest.mark.slow
