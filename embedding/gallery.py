@@ -99,14 +99,20 @@ def _insert(conn: sqlite3.Connection, chunk: list) -> int:
     return len(chunk)
 
 
-def open_store(path: str | Path, readonly: bool = True) -> sqlite3.Connection:
-    """Open a store and check its schema version."""
+def open_store(
+    path: str | Path, readonly: bool = True, immutable: bool = False, shared: bool = False
+) -> sqlite3.Connection:
+    """Open a store and check its schema version. `immutable`: read without the -shm file (only
+    for a file nothing can change, e.g. on a read-only filesystem); `shared`: usable from
+    several threads (the caller serialises access)."""
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"missing gallery store {path}")
     uri = f"file:{path}?mode=ro" if readonly else f"file:{path}"
+    if immutable:
+        uri += "&immutable=1"
     try:
-        conn = sqlite3.connect(uri, uri=True)
+        conn = sqlite3.connect(uri, uri=True, check_same_thread=not shared)
         row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     except sqlite3.DatabaseError as e:
         raise ArtifactError(f"{path} is not a readable gallery store: {e}") from None

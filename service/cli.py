@@ -102,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     # walking them on every cycle (they showed up as latency spikes under load).
     gc.collect()
     gc.freeze()
+    if state.store.read_only:
+        print(
+            f"snca-serve: warning: {state.store.read_only}: serving reads; writes answer 503 "
+            "until it is writable again (/readyz reports 503 meanwhile)",
+            file=sys.stderr,
+            flush=True,
+        )
     print(
         f"snca-serve: {state.gallery.size()} items, {len(state.gallery.labels)} labels; "
         f"listening on http://{settings.host}:{settings.port} (docs at /docs)",

@@ -21,7 +21,7 @@ import numpy as np
 
 from embedding.artifacts import fsync_dir
 from embedding.errors import ArtifactError
-from embedding.gallery import migrate_store, open_store, read_meta, utc_now
+from embedding.gallery import STORE_SCHEMA_VERSION, migrate_store, open_store, read_meta, utc_now
 
 
 class StoreUnavailable(Exception):
@@ -51,16 +51,14 @@ class GalleryStore:
         if not self.path.exists():
             self._seed(seed)
         self._lock = threading.Lock()
-        probe = open_store(self.path, readonly=True)  # schema version check
-        probe.close()
-        self.conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")
-        self.conn.execute("PRAGMA busy_timeout=5000")
-        try:
-            migrate_store(self.conn)  # a store written by an older version: add the new columns
-        except sqlite3.DatabaseError as e:
-            raise ArtifactError(f"cannot upgrade gallery store {self.path}: {e}") from None
+        # None while writable; else why not (read-only filesystem): reads go on, writes get 503
+        self.read_only: str | None = None
+        if self._on_read_only_fs():
+            self.conn = self._open_read_only()
+        else:
+            probe = open_store(self.path, readonly=True)  # schema version check
+            probe.close()
+            self.conn = self._open_writable()
         meta = read_meta(self.conn)
         if meta.get("model_fingerprint") != model_fingerprint:
             raise ArtifactError(
@@ -74,6 +72,61 @@ class GalleryStore:
                 f"({meta.get('index_id')}) than {index_id}: use the matching index dir or a new store"
             )
         self.dim = int(meta.get("dim", "0"))
+
+    def _on_read_only_fs(self) -> bool:
+        """The store's directory or file cannot be written (EROFS, a `:ro` volume, permissions)."""
+        return not (os.access(self.path.parent, os.W_OK) and os.access(self.path, os.W_OK))
+
+    def _open_writable(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA busy_timeout=5000")
+            migrate_store(conn)  # a store written by an older version: add the new columns
+        except sqlite3.DatabaseError as e:
+            conn.close()
+            raise ArtifactError(f"cannot open gallery store {self.path} for writing: {e}") from None
+        return conn
+
+    def _open_read_only(self) -> sqlite3.Connection:
+        """Serve reads from a store that cannot be written. A WAL database needs its -shm file to
+        be read: with -wal/-shm present (after a crash) SQLite reads them; with neither (after a
+        clean stop) the file alone is the whole store, and `immutable` lets SQLite skip the -shm
+        it cannot create. A -wal without -shm cannot be read safely: refuse, naming the fix."""
+        wal, shm = (self.path.with_name(self.path.name + x) for x in ("-wal", "-shm"))
+        has_wal = wal.exists() and wal.stat().st_size > 0
+        if has_wal and not shm.exists():
+            raise ArtifactError(
+                f"gallery store {self.path} is read-only and has un-merged writes in {wal.name}: "
+                "make its directory writable so SQLite can recover them"
+            )
+        conn = open_store(self.path, readonly=True, immutable=not has_wal, shared=True)
+        version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if version[0] != str(STORE_SCHEMA_VERSION):
+            conn.close()
+            raise ArtifactError(
+                f"gallery store {self.path} has schema {version[0]} and is read-only, so it "
+                f"cannot be upgraded to {STORE_SCHEMA_VERSION}: make its directory writable"
+            )
+        self.read_only = f"the gallery store {self.path} is on a read-only filesystem"
+        return conn
+
+    def _ensure_writable(self) -> None:
+        """Called under the lock before a write: once the filesystem is writable again, switch
+        to a writable connection; until then refuse without touching anything."""
+        if self.read_only is None:
+            return
+        if self._on_read_only_fs():
+            raise StoreUnavailable(f"{self.read_only} (read-only)")
+        # Close the read-only connection first: SQLite shares one -shm mapping per file within
+        # a process, and the one it opened read-only would make the new connection read-only.
+        self.conn.close()
+        try:
+            self.conn, self.read_only = self._open_writable(), None
+        except ArtifactError as e:
+            self.conn = self._open_read_only()
+            raise StoreUnavailable(str(e)) from None
 
     def _seed(self, seed: Path) -> None:
         """Copy the built store into place atomically (temp file, fsync, rename)."""
@@ -176,6 +229,7 @@ class GalleryStore:
     def _write(self, fn):
         """Run fn(conn, seq) in one IMMEDIATE transaction with the next sequence number."""
         with self._lock:
+            self._ensure_writable()
             try:
                 self.conn.execute("BEGIN IMMEDIATE")
                 try:

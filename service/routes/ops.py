@@ -31,7 +31,9 @@ async def readyz(request: Request):
         "store_writable": writable,
     }
     if not writable:
-        body["store_error"] = state.last_write_error or "store path is not writable"
+        body["store_error"] = (
+            state.last_write_error or state.store.read_only or "store path is not writable"
+        )
     return JSONResponse(body, status_code=200 if writable else 503)
 
 

@@ -73,13 +73,24 @@ def free_port() -> int:
 class Server:
     """A real `python -m service` process on a free loopback port."""
 
-    def __init__(self, run: Path, data_dir: Path, env: dict | None = None, *extra):
+    def __init__(
+        self,
+        run: Path,
+        data_dir: Path,
+        env: dict | None = None,
+        *extra,
+        prefix: tuple[str, ...] = (),
+        wait_for: str = "/readyz",
+    ):
+        """`prefix`: a command the server runs under (it must exec it, keeping the pid);
+        `wait_for`: the route that must answer 200 before the server counts as started."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(data_dir.parent / f"server-{self.port}.log", "w")  # noqa: SIM115 (closed in kill)
         full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             [
+                *prefix,
                 sys.executable,
                 "-m",
                 "service",
@@ -100,7 +111,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.read_log()}")
             try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                if httpx.get(self.url + wait_for, timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -10,6 +10,7 @@ import random
 import resource
 import signal
 import sqlite3
+import subprocess
 import threading
 import time
 
@@ -74,6 +75,79 @@ def test_disk_full_answers_503_keeps_reads_and_recovers(base_run, tmp_path, fmni
             for x in httpx.get(server.url + "/gallery/labels").json()["labels"]
         }
         assert got == acked
+    finally:
+        server.kill(signal.SIGTERM)
+
+
+def _labels(c) -> dict[str, int]:
+    return {x["label"]: x["count"] for x in c.get("/gallery/labels").json()["labels"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["clean", "crashed"])
+def test_read_only_store_serves_reads_refuses_writes_and_recovers(
+    base_run, tmp_path, fmnist_test, stop
+):
+    """The data dir on a read-only filesystem (a `:ro` volume, a disk the kernel remounted
+    read-only): a read-only bind mount in a private mount namespace, so even root gets EROFS.
+    The server starts degraded, answers reads, refuses writes with 503, and takes writes again
+    once the mount is read-write, with nothing lost or half-written. After a crash the last
+    writes sit in the -wal file, which must be read too."""
+    img = png(fmnist_test, 0)
+    data = tmp_path / "serve"
+    server = Server(base_run, data)
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        assert _add(c, "before", img, 3).status_code == 200
+        before = _labels(c)
+    server.kill(stop)
+    wal = data / "gallery.sqlite-wal"
+    assert (wal.exists() and wal.stat().st_size > 0) == (stop == signal.SIGKILL)
+
+    ro = f'mount --bind {data} {data} && mount -o remount,bind,ro {data} && exec "$@"'
+    server = Server(
+        base_run, data, None, prefix=("unshare", "-m", "sh", "-c", ro, "sh"), wait_for="/healthz"
+    )
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            r = c.get("/readyz")
+            assert r.status_code == 503 and r.json()["store_writable"] is False, r.text
+            assert "read-only" in r.json()["store_error"], r.text
+            assert _labels(c) == before  # reads keep working
+            assert c.post("/classify", files={"image": ("q.png", img)}).status_code == 200
+            assert c.post("/search", files={"image": ("q.png", img)}).status_code == 200
+            r = _add(c, "during", img)
+            assert r.status_code == 503, r.text
+            assert "read-only" in r.json()["detail"] and "nothing was changed" in r.json()["detail"]
+            assert c.delete("/gallery/labels/before").status_code == 503
+            assert _labels(c) == before
+            # the disk comes back read-write (in the server's own mount namespace)
+            p = subprocess.run(
+                [
+                    "nsenter",
+                    "-t",
+                    str(server.proc.pid),
+                    "-m",
+                    "mount",
+                    "-o",
+                    "remount,bind,rw",
+                    str(data),
+                ],
+                capture_output=True,
+                text=True,
+            )
+            assert p.returncode == 0, p.stderr
+            r = _add(c, "after", img, 2)
+            assert r.status_code == 200, r.text
+            assert c.get("/readyz").status_code == 200
+            assert _labels(c) == {**before, "after": 2}
+    finally:
+        server.kill(signal.SIGTERM)
+    conn = sqlite3.connect(data / "gallery.sqlite")
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    conn.close()
+    server = Server(base_run, data)
+    try:
+        assert _labels(httpx.Client(base_url=server.url)) == {**before, "after": 2}
     finally:
         server.kill(signal.SIGTERM)
 
