@@ -83,6 +83,16 @@ def _labels(c) -> dict[str, int]:
     return {x["label"]: x["count"] for x in c.get("/gallery/labels").json()["labels"]}
 
 
+def _make_writable(server: Server, data) -> None:
+    if os.geteuid() == 0:  # remount read-write in the server's own mount namespace
+        cmd = ["nsenter", "-t", str(server.proc.pid), "-m", "mount", "-o", "remount,bind,rw"]
+        p = subprocess.run([*cmd, str(data)], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+    else:
+        for f in [data, *data.iterdir()]:
+            f.chmod(f.stat().st_mode | 0o200)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["clean", "crashed"])
 def test_read_only_store_serves_reads_refuses_writes_and_recovers(
@@ -103,10 +113,14 @@ def test_read_only_store_serves_reads_refuses_writes_and_recovers(
     wal = data / "gallery.sqlite-wal"
     assert (wal.exists() and wal.stat().st_size > 0) == (stop == signal.SIGKILL)
 
-    ro = f'mount --bind {data} {data} && mount -o remount,bind,ro {data} && exec "$@"'
-    server = Server(
-        base_run, data, None, prefix=("unshare", "-m", "sh", "-c", ro, "sh"), wait_for="/healthz"
-    )
+    if os.geteuid() == 0:  # root ignores permissions: a read-only mount, in its own namespace
+        ro = f'mount --bind {data} {data} && mount -o remount,bind,ro {data} && exec "$@"'
+        prefix = ("unshare", "-m", "sh", "-c", ro, "sh")
+    else:  # anyone else: taking write permission away is the same fault to the server
+        prefix = ()
+        for f in [data, *data.iterdir()]:
+            f.chmod(f.stat().st_mode & ~0o222)
+    server = Server(base_run, data, None, prefix=prefix, wait_for="/healthz")
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
             r = c.get("/readyz")
@@ -120,22 +134,7 @@ def test_read_only_store_serves_reads_refuses_writes_and_recovers(
             assert "read-only" in r.json()["detail"] and "nothing was changed" in r.json()["detail"]
             assert c.delete("/gallery/labels/before").status_code == 503
             assert _labels(c) == before
-            # the disk comes back read-write (in the server's own mount namespace)
-            p = subprocess.run(
-                [
-                    "nsenter",
-                    "-t",
-                    str(server.proc.pid),
-                    "-m",
-                    "mount",
-                    "-o",
-                    "remount,bind,rw",
-                    str(data),
-                ],
-                capture_output=True,
-                text=True,
-            )
-            assert p.returncode == 0, p.stderr
+            _make_writable(server, data)  # the disk comes back read-write
             r = _add(c, "after", img, 2)
             assert r.status_code == 200, r.text
             assert c.get("/readyz").status_code == 200
