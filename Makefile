@@ -9,7 +9,7 @@ OUT ?= runs/demo
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test install data browser lint bench reproduce stress clean
+.PHONY: run test install data browser lint bench reproduce stress audit clean
 
 run: install data ## set up, train the default model, index it, serve it (Ctrl-C stops)
 	$(PY) -m training --dataset fashion-mnist --arch conv4 --loss nca --epochs $(EPOCHS) \
@@ -36,6 +36,8 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# the pip a venv starts with can be old (23.2 on Python 3.11.7) and has known advisories
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade 'pip>=25.3'
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[train,serve,dev]'
 	touch $@
 
@@ -84,6 +86,11 @@ stress: install data browser
 	SNCA_STRESS_ROUNDS=$(STRESS_ROUNDS) SNCA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s \
 		tests/service/test_faults.py tests/service/test_fuzz.py tests/service/test_hostile.py
 	$(PY) benchmarks/soak.py --minutes $(SOAK_MINUTES) --json docs/soak.json
+
+# Dependency audit of the installed venv (OSV, else PyPI's advisory data; benchmarks/audit.py):
+# fails on any known vulnerability; AUDIT_FLAGS=--strict also fails on unverifiable packages.
+audit: install
+	$(PY) benchmarks/audit.py --json docs/audit.json $(AUDIT_FLAGS)
 
 bench: install ## benchmarks/train_step.py (results go in docs/PERFORMANCE.md)
 	$(PY) benchmarks/train_step.py
