@@ -79,6 +79,7 @@ class ServiceState:
             self.embedder.warmup()
             self.torch_threads = s.torch_threads or self._auto_threads()
             torch.set_num_threads(self.torch_threads)
+            self.warmup_s = self.embedder.warmup_every_size(s.max_batch)
 
         self.batcher.call(prepare_model)
         ix = open_index_dir(s.index, expected_fingerprint=model.fingerprint)
@@ -119,6 +120,7 @@ class ServiceState:
                     "replayed_deletes": len(replay_del),
                     "device": str(device),
                     "model_mode": self.embedder.mode,
+                    "warmup_s": round(self.warmup_s, 2),
                     "torch_threads": self.torch_threads,
                     "seconds": round(time.perf_counter() - t0, 2),
                 }
