@@ -39,6 +39,7 @@ from embedding.index import (
     apply_search_params,
     sha256_file,
 )
+from embedding.model import SPACES, in_space, space_dim
 
 SOURCES = ("memory", "recompute")
 DEVICES = ("auto", "cpu", "cuda")
@@ -68,6 +69,7 @@ class BuildConfig:
     seed: int = 0
     progress: bool = True
     thumbnails: bool = False  # a preview of every dataset item in the store (the web page)
+    space: str = "embedding"  # embedding.model.SPACES: the vectors indexed (and served)
 
 
 @dataclass
@@ -199,9 +201,9 @@ def load_vectors(cfg: BuildConfig, log=_say) -> tuple[Vectors, object]:
     if cfg.source == "memory":
         emb = bank["embeddings"].float().numpy()
     else:
-        emb = recompute_embeddings(cfg, model, indices, log)
+        emb = recompute_embeddings(cfg, in_space(model, cfg.space), indices, log)
     vec = validate_vectors(
-        emb, labels, indices, model.config.embedding_dim, model.config.num_classes, log
+        emb, labels, indices, space_dim(model, cfg.space), model.config.num_classes, log
     )
     return vec, model
 
@@ -401,6 +403,13 @@ def build(cfg: BuildConfig, log=_say) -> dict:
     t_start = time.perf_counter()
     if cfg.source not in SOURCES:
         raise SNCAError(f"unknown source {cfg.source!r} (choose from {', '.join(SOURCES)})")
+    if cfg.space not in SPACES:
+        raise SNCAError(f"unknown space {cfg.space!r} (choose from {', '.join(SPACES)})")
+    if cfg.space != "embedding" and cfg.source == "memory":
+        raise SNCAError(
+            f"the memory bank holds NCA embeddings, not {cfg.space} vectors: "
+            f"--space {cfg.space} needs --source recompute"
+        )
     out = Path(cfg.out)
     if out.exists() and not cfg.overwrite:
         raise SNCAError(
@@ -464,6 +473,7 @@ def build(cfg: BuildConfig, log=_say) -> dict:
             "class_names": names,
             "model_fingerprint": model.fingerprint,
             "temperature": model.config.temperature,
+            "space": cfg.space,
             "factory": cfg.factory,
             "search_params": params,
             "source": cfg.source,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from embedding.cliutil import positive_int
 from embedding.errors import SNCAError
+from embedding.model import SPACES
 from embedding.sysalloc import keep_freed_memory
 
 from .build import DEVICES, SOURCES, BuildConfig, build
@@ -31,9 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--source",
         choices=SOURCES,
-        default="memory",
         help="memory: the final memory bank rows (the paper's protocol); recompute: "
-        "re-embed the training images with the final model and the eval transform",
+        "re-embed the training images with the final model and the eval transform "
+        "(default: memory for --space embedding, recompute otherwise)",
+    )
+    p.add_argument(
+        "--space",
+        choices=SPACES,
+        default="embedding",
+        help="embedding: the NCA embedding (the paper's); spatial: the backbone's last "
+        "feature map, unpooled and L2-normalised (576-d for conv4), which lets labels added "
+        "from a few images win far more often (docs/RESULTS.md); the service embeds queries "
+        "in the index's space",
     )
     p.add_argument(
         "--factory",
@@ -101,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BuildConfig(
         run_dir=args.run_dir,
         out=args.out or args.run_dir / "index",
-        source=args.source,
+        source=args.source or ("memory" if args.space == "embedding" else "recompute"),
+        space=args.space,
         factory=args.factory,
         nprobe=args.nprobe,
         ef_search=args.ef_search,

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from embedding.errors import ArtifactError
 from embedding.inference import autocast_context, optimize_for_cpu
-from embedding.model import EmbeddingNet
+from embedding.model import EmbeddingNet, in_space, space_dim
 from embedding.transforms import eval_geometry, normalize_batch
 
 # What the service accepts, by the format Pillow reads from the bytes (never the filename).
@@ -119,12 +120,18 @@ def decode_image(data: bytes, max_pixels: int, name: str = "image") -> tuple[Ima
 class Embedder:
     """The model in eval mode with its eval transform (both from the model card)."""
 
-    def __init__(self, model: EmbeddingNet, device: torch.device, amp: bool = True):
-        self.model = model.to(device).eval()
+    def __init__(
+        self, model: EmbeddingNet, device: torch.device, amp: bool = True, space="embedding"
+    ):
+        try:
+            self.model = in_space(model.to(device).eval(), space).eval()  # embedding.model
+        except ValueError as e:
+            raise ArtifactError(str(e)) from None
+        self.space = space
         self.device = device
         self.amp = amp
         self.geometry = eval_geometry(model.config)
-        self.dim = model.config.embedding_dim
+        self.dim = space_dim(model, space)
         self.runner: torch.nn.Module = self.model  # what embed() calls; see optimize()
         self.mode = "eager"
 

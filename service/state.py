@@ -15,6 +15,7 @@ import torch
 from starlette.concurrency import run_in_threadpool
 
 from embedding import load_model
+from embedding.errors import ArtifactError
 from embedding.index import STORE_FILE, open_index_dir
 from embedding.thumbnails import make_thumbnail
 
@@ -69,7 +70,14 @@ class ServiceState:
             raise RuntimeError("SNCA_DEVICE=cuda but no CUDA device is available")
         model = load_model(s.model)
         self.fingerprint = model.fingerprint
-        self.embedder = Embedder(model, device)
+        ix = open_index_dir(s.index, expected_fingerprint=model.fingerprint)
+        # queries are embedded in the space the index was built in (index_builder --space)
+        self.embedder = Embedder(model, device, space=ix.manifest.get("space", "embedding"))
+        if self.embedder.dim != ix.dim:
+            raise ArtifactError(
+                f"index {ix.path} holds {ix.dim}-d vectors but the model gives "
+                f"{self.embedder.dim}-d ones in space {self.embedder.space!r}"
+            )
         self.batcher = MicroBatcher(self._run_batch, s.max_batch, s.max_wait_ms, self._on_batch)
 
         def prepare_model() -> None:  # on the model thread, which runs every forward
@@ -82,7 +90,6 @@ class ServiceState:
             self.warmup_s = self.embedder.warmup_every_size(s.max_batch)
 
         self.batcher.call(prepare_model)
-        ix = open_index_dir(s.index, expected_fingerprint=model.fingerprint)
         self.manifest = ix.manifest
         self.index_id = ix.manifest.get("index_id", "")
         s.data_dir.mkdir(parents=True, exist_ok=True)
@@ -120,6 +127,7 @@ class ServiceState:
                     "replayed_deletes": len(replay_del),
                     "device": str(device),
                     "model_mode": self.embedder.mode,
+                    "space": self.embedder.space,
                     "warmup_s": round(self.warmup_s, 2),
                     "torch_threads": self.torch_threads,
                     "seconds": round(time.perf_counter() - t0, 2),

@@ -35,6 +35,7 @@ from embedding.datasets import load_raw
 from embedding.errors import SNCAError
 from embedding.inference import embed_batches
 from embedding.knn import knn_search
+from embedding.model import SPACES, in_space
 from embedding.transforms import eval_transform
 from embedding.voting import VOTES, kde_probs, knn_probs, prototype_probs
 
@@ -58,6 +59,7 @@ class Pools:
 
 
 def _embed(model, raw, positions, batch=1024):
+    """`model`: an EmbeddingNet or embedding.model.in_space(...) of one (same `config`)."""
     tf = eval_transform(model.config)
     out = []
     for s in range(0, len(positions), batch):
@@ -66,10 +68,16 @@ def _embed(model, raw, positions, batch=1024):
     return torch.cat(out) if out else torch.empty(0, model.config.embedding_dim)
 
 
-def load_pools(run: Path, novel: list[int] | None, split: str, gallery: str) -> Pools:
+def load_pools(
+    run: Path, novel: list[int] | None, split: str, gallery: str, space: str = "embedding"
+) -> Pools:
+    """`space` (embedding.model.SPACES): the vectors compared, as index_builder --space builds
+    them; anything but the NCA embedding needs the re-embedded gallery."""
     from .trainer import build_data
 
-    model = load_model(run)
+    if space != "embedding" and gallery == "memory":
+        raise SNCAError(f"--space {space} needs --gallery recompute (the memory bank is NCA)")
+    model = in_space(load_model(run), space)
     cfg_dict = read_json(run / "config.json")
     known = TrainConfig.fields()
     cfg = TrainConfig.from_dict({k: v for k, v in cfg_dict.items() if k in known})
@@ -216,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", choices=("val", "test"), default="val")
     ap.add_argument("--gallery", choices=("memory", "recompute"), default="memory")
     ap.add_argument(
+        "--space",
+        choices=SPACES,
+        default="embedding",
+        help="vectors compared (index_builder --space); spatial needs --gallery recompute",
+    )
+    ap.add_argument(
         "--queries-per-class",
         type=positive_int,
         default=500,
@@ -242,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SNCAError("--episodes and --way must be >= 0")
         novel = [int(c) for c in a.novel.split(",")] if a.novel else None
         shots = [int(s) for s in a.shots.split(",")]
-        pools = load_pools(a.run, novel, a.split, a.gallery)
+        pools = load_pools(a.run, novel, a.split, a.gallery, a.space)
         table = {}
         for k_shot in shots:
             res = evaluate(pools, k_shot, a.draws, rules, a.k, a.queries_per_class, a.seed)
@@ -266,7 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         if a.json:
             a.json.write_text(
                 json.dumps(
-                    {"split": a.split, "gallery": a.gallery, "table": table, "episodes": episodes},
+                    {
+                        "split": a.split,
+                        "gallery": a.gallery,
+                        "space": a.space,
+                        "table": table,
+                        "episodes": episodes,
+                    },
                     indent=2,
                 )
             )
