@@ -77,10 +77,10 @@ reproduce: install data
 	$(PY) -m training.reproduce $(if $(QUICK),--quick,)
 
 # The long reliability runs (docs/RELIABILITY.md): many kill -9 rounds, more fuzzing cases,
-# three passes of the hostile corpus, then a bounded soak (5 min at half of saturation).
+# three passes of the hostile corpus, then a bounded soak (10 min at half of saturation).
 STRESS_ROUNDS ?= 20
 FUZZ_EXAMPLES ?= 100
-SOAK_MINUTES ?= 5
+SOAK_MINUTES ?= 10
 stress: install data browser
 	test -d runs/bench-conv4/index || $(PY) benchmarks/service_load.py --prepare
 	SNCA_STRESS_ROUNDS=$(STRESS_ROUNDS) SNCA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s \
