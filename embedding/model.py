@@ -123,6 +123,7 @@ def space_dim(model: EmbeddingNet, space: str) -> int:
     model.eval()
     try:
         with torch.no_grad():
-            return int(in_space(model, space)(torch.zeros(1, c, s, s)).shape[1])
+            x = torch.zeros(1, c, s, s, device=next(model.parameters()).device)
+            return int(in_space(model, space)(x).shape[1])
     finally:
         model.train(was)
