@@ -15,7 +15,7 @@ One module for the service and for evaluation, so evaluation measures what the s
              whose m-th neighbour is always close: measured, that variant lost all novel queries).
 """
 
-from __future__ import annotations
+import functools
 
 import torch
 
@@ -85,16 +85,79 @@ def kde_log_density(
     lab, counts, onehot = (
         prepared if prepared is not None else kde_prepare(labels, num_classes, temperature)
     )
+    if onehot is not None:
+        return kde_from_onehot(similarities, onehot, counts, temperature)
     w = similarities.to(dtype) - 1.0  # (Q, N), a fresh tensor: the rest is in place
     w.div_(temperature).exp_()  # exp((s - 1)/σ)
-    if onehot is not None:
-        sums = w @ onehot  # (Q, C+1)
-    else:
-        sums = torch.zeros(w.shape[0], num_classes + 1, dtype=dtype, device=w.device)
-        sums.scatter_add_(1, lab.unsqueeze(0).expand(w.shape[0], -1), w)  # (Q, C+1)
-    sums = sums[:, :num_classes]
+    sums = torch.zeros(w.shape[0], num_classes + 1, dtype=dtype, device=w.device)
+    sums.scatter_add_(1, lab.unsqueeze(0).expand(w.shape[0], -1), w)  # (Q, C+1)
+    return _kde_finish(sums[:, :num_classes], counts, temperature)
+
+
+def kde_from_onehot(
+    similarities: torch.Tensor, onehot: torch.Tensor, counts: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """kde_log_density given kde_prepare's one-hot (N, C+1) and counts (C,): (Q, N) -> (Q, C).
+    TorchScript-compatible (kde_top compiles it)."""
+    w = similarities.to(onehot.dtype) - 1.0  # (Q, N), a fresh tensor: the rest is in place
+    w.div_(temperature).exp_()  # exp((s - 1)/σ)
+    sums = w @ onehot  # (Q, C+1): per-label sums, the last column collects deleted items
+    return _kde_finish(sums[:, : counts.shape[0]], counts, temperature)
+
+
+def _kde_finish(sums: torch.Tensor, counts: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log((1/n_c) Σ exp(s/σ)) from the shifted sums (Q, C); -inf where n_c = 0."""
     out = torch.log(sums) + 1.0 / temperature - torch.log(counts)
     return out.masked_fill((counts <= 0).unsqueeze(0), float("-inf")).float()
+
+
+def kde_top(
+    queries: torch.Tensor,
+    gallery: torch.Tensor,
+    onehot: torch.Tensor,
+    counts: torch.Tensor,
+    temperature: float,
+    top: int,
+    live: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The service's kde classification in one call: queries (B, d) against every gallery row
+    (N, d) -> (best similarity (B,), top-`top` probabilities (B, top) and label ids, the
+    probability total (B,), 0 for a query no label can take). `live` (N,) bool masks deleted
+    rows out of the best similarity (their labels are already outside `onehot`'s C columns).
+    Compiled by `scripted_kde_top` the service runs it without the GIL: one hand-off per
+    batch instead of one per operation, which is what an event loop on the other core
+    made slow (docs/PERFORMANCE.md)."""
+    sims = queries @ gallery.t()  # (B, N) cosine similarities
+    if live is None:
+        best = sims.max(dim=1).values
+    else:
+        best = sims.masked_fill(~live, float("-inf")).max(dim=1).values
+    logd = kde_from_onehot(sims, onehot, counts, temperature)  # (B, C)
+    probs = torch.softmax(logd.nan_to_num(neginf=-1e30), dim=1)
+    vals, idx = probs.topk(top, dim=1)
+    return best, vals, idx, probs.sum(dim=1)
+
+
+@functools.cache
+def scripted_kde_top():
+    """kde_top compiled by TorchScript (once per process, on first use); kde_top itself where
+    it cannot be compiled (TorchScript needs the .py source), same results, slower."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript's deprecation notice; the pin keeps it
+            compiled = torch.jit.script(kde_top)
+    except Exception:
+        return kde_top
+
+    def run(*args):
+        # Plain interpretation: the profiling executor re-specialises the graph for new shapes
+        # (batch size, gallery size), and measured, that put 37 ms pauses among 0.5 ms calls.
+        with torch.jit.optimized_execution(False):
+            return compiled(*args)
+
+    return run
 
 
 def kde_probs(

@@ -1,19 +1,29 @@
 """Dynamic micro-batching (the Triton / TorchServe pattern).
 
-Requests put jobs on a queue; one collector task takes the first job, waits up to `max_wait`
-for more (up to `max_batch`), and runs the whole batch in a worker thread with one call. While
-a batch runs, new jobs queue up, so under load batches fill by themselves and an idle server
-adds at most `max_wait` of latency. Model work never runs on the event loop.
+Requests put jobs on a thread-safe queue; one model thread takes the first job, waits up to
+`max_wait` for more (up to `max_batch`), runs the whole batch with one call, and hands the
+results back to the event loop in one callback. While a batch runs, new jobs queue up, so under
+load batches fill by themselves and an idle server adds at most `max_wait` of latency. Model
+work never runs on the event loop.
+
+The model thread pulls its next batch itself the moment the previous one is done. The event
+loop only enqueues jobs and sets results: when a busy loop also had to start each batch (as an
+asyncio collector task did before), the model waited for the loop between batches, and at half
+of the saturating rate that wait was most of a request's latency (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
+
+_STOP = object()
 
 
 class MicroBatcher:
@@ -28,80 +38,119 @@ class MicroBatcher:
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0
         self.on_batch = on_batch  # (batch size, oldest queue wait in s) for metrics
-        self._queue: asyncio.Queue | None = None
-        self._task: asyncio.Task | None = None
+        # (job, asyncio future, enqueue time) | (callable, concurrent Future, None) | _STOP
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Future | None = None
         # One model thread for the process: every forward pass (and the warm-up) runs on it, so
         # the math library keeps a single thread team instead of one per calling thread.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._thread = self._spawn()
         self.in_flight = 0
+
+    def _spawn(self) -> threading.Thread:
+        t = threading.Thread(target=self._work, args=(self._queue,), name="model", daemon=True)
+        t.start()
+        return t
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the model thread and wait (for start-up work such as the warm-up)."""
-        return self._executor.submit(fn).result()
+        if not self._thread.is_alive():
+            raise RuntimeError("the model thread has stopped")
+        f: Future = Future()
+        self._queue.put((fn, f, None))
+        return f.result()
 
     def start(self) -> None:
-        self._queue = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._collect())
+        """Bind to the running event loop, which receives the results."""
+        self._loop = asyncio.get_running_loop()
+        if not self._thread.is_alive():  # started again after a stop()
+            self._queue = queue.SimpleQueue()
+            self._thread = self._spawn()
 
     async def stop(self) -> None:
-        """Finish the queued jobs, then stop the collector."""
-        if self._task is None:
+        """Finish the queued jobs, then stop the model thread."""
+        if self._loop is None or not self._thread.is_alive():
             return
-        await self._queue.join()
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self._executor.shutdown(wait=True)
-        self._task = None
+        self._stopped = self._loop.create_future()
+        self._queue.put(_STOP)
+        await self._stopped
+        self._thread.join()
+        self._loop = None
+
+    def close(self) -> None:
+        """Stop the model thread without an event loop (after `stop`, a no-op)."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
 
     async def submit(self, job: Any) -> Any:
-        fut = asyncio.get_running_loop().create_future()
+        fut = self._loop.create_future()
         self.in_flight += 1
         try:
-            await self._queue.put((job, fut, time.perf_counter()))
+            self._queue.put((job, fut, time.perf_counter()))
             return await fut
         finally:
             self.in_flight -= 1
 
-    async def _collect(self) -> None:
-        loop = asyncio.get_running_loop()
-        q = self._queue
+    # ------------------------------------------------------------------ the model thread
+    def _work(self, q: queue.SimpleQueue) -> None:
+        pending = None  # an item taken while filling a batch that cannot join it
         while True:
-            first = await q.get()
+            first = pending if pending is not None else q.get()
+            pending = None
+            if first is _STOP:
+                self._post(self._set_stopped)
+                return
+            if first[2] is None:  # a call(): run it alone
+                fn, f, _ = first
+                try:
+                    f.set_result(fn())
+                except BaseException as e:
+                    f.set_exception(e)
+                continue
             batch = [first]
-            deadline = loop.time() + self.max_wait
+            deadline = time.perf_counter() + self.max_wait
             while len(batch) < self.max_batch:
+                left = deadline - time.perf_counter()
                 try:
-                    batch.append(q.get_nowait())
-                    continue
-                except asyncio.QueueEmpty:
-                    pass
-                left = deadline - loop.time()
-                if left <= 0:
+                    item = q.get(timeout=left) if left > 0 else q.get_nowait()
+                except queue.Empty:
                     break
-                try:
-                    batch.append(await asyncio.wait_for(q.get(), left))
-                except asyncio.TimeoutError:
+                if item is _STOP or item[2] is None:
+                    pending = item
                     break
+                batch.append(item)
             waited = time.perf_counter() - batch[0][2]
             try:
-                results = await loop.run_in_executor(
-                    self._executor, self.run_batch, [b[0] for b in batch]
-                )
-                for (_, fut, _), r in zip(batch, results, strict=True):
-                    if not fut.done():
-                        if isinstance(r, BaseException):
-                            fut.set_exception(r)
-                        else:
-                            fut.set_result(r)
+                results = self.run_batch([b[0] for b in batch])
             except BaseException as e:  # the batch failed as a whole: fail each job with it
-                for _, fut, _ in batch:
-                    if not fut.done():
-                        fut.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
-                if isinstance(e, asyncio.CancelledError):
-                    raise
-            finally:
-                for _ in batch:
-                    q.task_done()
+                err = e if isinstance(e, Exception) else RuntimeError(str(e))
+                results = [err] * len(batch)
+            if len(results) != len(batch):  # never leave a request waiting
+                results = [RuntimeError("the batch returned a wrong number of results")] * len(
+                    batch
+                )
+            self._post(self._deliver, batch, results)
             if self.on_batch is not None:
-                self.on_batch(len(batch), waited)
+                with contextlib.suppress(Exception):  # metrics must not stop the model thread
+                    self.on_batch(len(batch), waited)
+
+    def _post(self, fn, *args) -> None:
+        # no loop, or it closed: nobody is waiting
+        with contextlib.suppress(AttributeError, RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _set_stopped(self) -> None:
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(None)
+
+    @staticmethod
+    def _deliver(batch: list, results: list) -> None:
+        """On the event loop: one callback per batch sets every job's future."""
+        for (_, fut, _), r in zip(batch, results, strict=True):
+            if fut.done():  # the client went away
+                continue
+            if isinstance(r, BaseException):
+                fut.set_exception(r)
+            else:
+                fut.set_result(r)

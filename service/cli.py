@@ -42,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-wait-ms", type=float, help="micro-batcher: wait for more requests (0 ms)")
     p.add_argument(
+        "--fused-batches",
+        type=int,
+        help="CPU: fused model copies for batch sizes up to this, kept where faster (8; 0 = none)",
+    )
+    p.add_argument(
+        "--fused-memory-mb",
+        type=float,
+        help="CPU: memory the fused copies may take together (128 MB)",
+    )
+    p.add_argument(
         "--torch-threads",
         type=int,
         help="CPU threads for the forward pass (0 = automatic: cores - 1 for a light model, "

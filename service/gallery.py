@@ -14,7 +14,13 @@ import faiss
 import numpy as np
 import torch
 
-from embedding.voting import kde_log_density, kde_prepare, knn_probs, prototype_probs
+from embedding.voting import (
+    kde_log_density,
+    kde_prepare,
+    knn_probs,
+    prototype_probs,
+    scripted_kde_top,
+)
 
 from .store import Item
 
@@ -202,7 +208,8 @@ class Gallery:
 
     def _unfiltered(self) -> tuple:
         """Per-gallery-state tensors every unfiltered classify needs, cached until the rows
-        change: (row labels (n,), live mask, any live, all live, kde_prepare result)."""
+        change: (row labels (n,), live mask, any live, all live, kde_prepare result, the live
+        mask as a tensor or None when every row is live)."""
         c = self._cache
         if c is not None and c[0] == (self._epoch, len(self.labels)):
             return c[1]
@@ -215,6 +222,7 @@ class Gallery:
             bool(live.any()),
             bool(live.all()),
             kde_prepare(lab_t, len(self.labels), self.temperature),
+            None if live.all() else torch.from_numpy(live),
         )
         self._cache = ((self._epoch, len(self.labels)), v)
         return v
@@ -311,13 +319,26 @@ class Gallery:
             qt = torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
             n = self._rows
             if allowed_labels is None:
-                row_label, live, any_live, all_live, prepared = self._unfiltered()
+                row_label, live, any_live, all_live, prepared, live_t = self._unfiltered()
             else:
                 row_label = self._row_label[:n]
                 row_label = np.where(np.isin(row_label, allowed_labels), row_label, -1)
                 live = row_label >= 0
                 any_live, all_live, prepared = bool(live.any()), bool(live.all()), None
             emb = torch.from_numpy(self._emb[:n])
+            top = min(5, c)
+            if (
+                vote == "kde"
+                and not neighbors
+                and prepared
+                and prepared[2] is not None
+                and any_live
+            ):
+                # the common request (kde, no label filter, no neighbours): one compiled call
+                best, vals, idx, total = scripted_kde_top()(
+                    qt, emb, prepared[2], prepared[1], self.temperature, top, live_t
+                )
+                return self._results(best.tolist(), vals.tolist(), idx.tolist(), total.tolist())
             sims_all = qt @ emb.T if n else torch.zeros(len(q), 0)  # (B, n)
             if not any_live:
                 best = np.full(len(q), -1.0)
@@ -359,31 +380,33 @@ class Gallery:
                     else torch.zeros(len(q), c)
                 )
             # Top labels for the whole batch at once; Python only walks the small lists.
-            top = min(5, c)
+            vals = idx = total = None
             if c:
                 vals, idx = probs.topk(top, dim=1)
                 vals, idx, total = vals.tolist(), idx.tolist(), probs.sum(dim=1).tolist()
-            best = best.tolist()
-            out = []
-            for b in range(len(q)):
-                if c == 0 or total[b] <= 0:
-                    out.append(Classification(None, 0.0, [], best[b], []))
-                    continue
-                pr = [(self.labels[i], v) for v, i in zip(vals[b], idx[b], strict=True) if v > 0]
-                nb = []
-                if neighbors and hits is not None:
-                    nb = [
-                        (i, self.labels[li], s)
-                        for s, i, li in zip(
-                            hits[0][b].tolist(),
-                            hits[1][b].tolist(),
-                            hits[2][b].tolist(),
-                            strict=True,
-                        )
-                        if i >= 0 and li >= 0
-                    ]
-                out.append(Classification(pr[0][0], pr[0][1], pr, best[b], nb))
-            return out
+            return self._results(best.tolist(), vals, idx, total, hits if neighbors else None)
+
+    def _results(self, best, vals, idx, total, hits=None) -> list[Classification]:
+        """Per query: top labels from (B, top) probability lists `vals` and label ids `idx`
+        (None when there are no labels), `total` probability (0: no label could take it),
+        best similarity, and the neighbours from `hits` (similarities, ids, label ids)."""
+        out = []
+        for b in range(len(best)):
+            if total is None or total[b] <= 0:
+                out.append(Classification(None, 0.0, [], best[b], []))
+                continue
+            pr = [(self.labels[i], v) for v, i in zip(vals[b], idx[b], strict=True) if v > 0]
+            nb = []
+            if hits is not None:
+                nb = [
+                    (i, self.labels[li], s)
+                    for s, i, li in zip(
+                        hits[0][b].tolist(), hits[1][b].tolist(), hits[2][b].tolist(), strict=True
+                    )
+                    if i >= 0 and li >= 0
+                ]
+            out.append(Classification(pr[0][0], pr[0][1], pr, best[b], nb))
+        return out
 
     def _label_of_row_id(self, item_id: int) -> int:
         r = self._row_of.get(int(item_id))

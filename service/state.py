@@ -60,6 +60,7 @@ class ServiceState:
         self.writes_since_snapshot = 0
         self.last_write_error: str | None = None
         self.started = time.time()
+        self.fused_sizes: list[int] = []  # batch sizes served by a fused model copy
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -87,6 +88,10 @@ class ServiceState:
             self.embedder.warmup()
             self.torch_threads = s.torch_threads or self._auto_threads()
             torch.set_num_threads(self.torch_threads)
+            if s.optimize:
+                self.fused_sizes = self.embedder.fuse_small_batches(
+                    s.fused_batches, s.fused_memory_mb
+                )
             self.warmup_s = self.embedder.warmup_every_size(s.max_batch)
 
         self.batcher.call(prepare_model)
@@ -129,6 +134,7 @@ class ServiceState:
                     "model_mode": self.embedder.mode,
                     "space": self.embedder.space,
                     "warmup_s": round(self.warmup_s, 2),
+                    "fused_batch_sizes": self.fused_sizes,
                     "torch_threads": self.torch_threads,
                     "seconds": round(time.perf_counter() - t0, 2),
                 }
@@ -153,6 +159,8 @@ class ServiceState:
 
     def stop(self) -> None:
         self.ready = False
+        if hasattr(self, "batcher"):
+            self.batcher.close()
         if hasattr(self, "store"):
             self.store.close()
 

@@ -57,6 +57,7 @@ def test_after_warmup_no_batch_size_grows_the_heap(base_run):
     """Measured for conv4: ~0.3 MB of C heap per new batch size before, none after."""
     e = _embedder(base_run)
     torch.set_num_threads(1)
+    e.fuse_small_batches(8)  # as the service does: fused copies for the small sizes
     e.warmup_every_size(64)
     c, s = e.model.config.in_channels, e.model.config.image_size
     x = torch.zeros(64, c, s, s, dtype=torch.uint8)
@@ -64,3 +65,46 @@ def test_after_warmup_no_batch_size_grows_the_heap(base_run):
     for b in range(64, 0, -1):  # every size again, in another order
         e.embed(x[:b])
     assert _c_heap_in_use_mb() - before < 2.0
+
+
+def test_fused_small_batch_copies_give_the_eager_vectors(base_run):
+    """A fused copy (one per batch size, checked at start on its own example) gives the eager
+    model's vectors on other images too, and embed() routes each size to its copy."""
+    from embedding.inference import fuse_for_shape
+    from embedding.transforms import normalize_batch
+
+    e = _embedder(base_run)
+    torch.set_num_threads(1)
+    c, s = e.model.config.in_channels, e.model.config.image_size
+    x = torch.randint(0, 256, (3, c, s, s), dtype=torch.uint8, generator=torch.Generator())
+    with torch.no_grad():
+        want = e.model(normalize_batch(x, e.model.config)).numpy()
+    calls = []
+    for b in (1, 2, 3):
+        fused, why = fuse_for_shape(e.u8, torch.zeros(b, c, s, s, dtype=torch.uint8))
+        assert why == "fused"
+
+        def spy(t, fused=fused):
+            calls.append(t.shape[0])
+            return fused(t)
+
+        e.by_size[b] = spy
+    for b in (1, 2, 3):
+        got = e.embed(x[:b])
+        assert got.shape == (b, e.dim)
+        assert abs(got - want[:b]).max() < 1e-4
+    assert calls == [1, 2, 3]
+    assert sorted(e.fuse_small_batches(0)) == [1, 2, 3]  # up_to 0 adds none
+
+
+def test_fuse_for_shape_refuses_a_copy_that_differs():
+    from embedding.config import ModelConfig
+    from embedding.inference import NormalizedInput, fuse_for_shape
+    from embedding.model import EmbeddingNet
+
+    m = NormalizedInput(EmbeddingNet(ModelConfig()).eval(), ModelConfig())
+    x = torch.randint(0, 256, (2, 1, 28, 28), dtype=torch.uint8)
+    fused, why = fuse_for_shape(m, x, atol=-1.0)
+    assert fused is None and why.startswith("fused copy differs")
+    fused, why = fuse_for_shape(m, x.float()[:, :, :5])  # an input the model cannot take
+    assert fused is None and why.startswith("fusion failed")

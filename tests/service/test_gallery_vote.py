@@ -1,0 +1,74 @@
+"""The compiled kde path (embedding.voting.kde_top, one call per batch) gives what the
+step-by-step path gives, in the gallery states the service meets: all rows live, deleted rows
+not yet compacted, a label emptied by deletes, labels added later."""
+
+import faiss
+import numpy as np
+import pytest
+
+import service.gallery as gallery_mod
+from service.gallery import Gallery
+
+DIM = 16
+
+
+def _unit(rng, n):
+    x = rng.standard_normal((n, DIM)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def _gallery(rng) -> Gallery:
+    g = Gallery(faiss.IndexIDMap2(faiss.IndexFlatIP(DIM)), {}, DIM, temperature=0.05)
+    next_id = 0
+    for seq, (label, n) in enumerate((("a", 300), ("b", 200), ("c", 5), ("d", 40)), start=1):
+        centre = _unit(rng, 1)
+        emb = centre + 0.6 * _unit(rng, n)
+        emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+        g.apply_add(list(range(next_id, next_id + n)), label, emb.astype(np.float32), seq)
+        next_id += n
+    return g
+
+
+def _compare(g: Gallery, q: np.ndarray) -> None:
+    fast = g.classify(q, "kde", 30)  # the compiled path
+    slow = g.classify(q, "kde", 30, neighbors=True)  # step by step (neighbours force it)
+    assert len(fast) == len(slow) == len(q)
+    for f, s in zip(fast, slow, strict=True):
+        assert f.label == s.label
+        assert f.best_similarity == pytest.approx(s.best_similarity, abs=1e-6)
+        assert [lab for lab, _ in f.probabilities] == [lab for lab, _ in s.probabilities]
+        for (_, pf), (_, ps) in zip(f.probabilities, s.probabilities, strict=True):
+            assert pf == pytest.approx(ps, abs=1e-6)
+
+
+def test_compiled_kde_matches_the_step_by_step_rule(monkeypatch):
+    calls = []
+    compiled = gallery_mod.scripted_kde_top()
+
+    def counting(*a):
+        calls.append(a[0].shape[0])
+        return compiled(*a)
+
+    monkeypatch.setattr(gallery_mod, "scripted_kde_top", lambda: counting)
+    rng = np.random.default_rng(0)
+    g = _gallery(rng)
+    for b in (1, 3, 17):
+        _compare(g, _unit(rng, b))
+    assert calls == [1, 3, 17]  # the fast path ran, once per batch
+
+    # deleted rows (fewer than compaction needs: they stay in the matrix, masked) and a label
+    # emptied by deletes, whose probability must be 0 and never in the top list
+    rows = [(i, "a", g._emb[g._row_of[i]].copy(), "trained") for i in range(0, 300, 3)]
+    rows += [(i, "c", g._emb[g._row_of[i]].copy(), "trained") for i in range(500, 505)]
+    g.apply_delete(rows, seq=10)
+    assert g._rows == 545 and not g._row_label[:545].min() >= 0
+    q = np.concatenate([_unit(rng, 4), g._emb[[g._row_of[1]]]])  # + a live gallery item
+    _compare(g, q)
+    assert all("c" not in [lab for lab, _ in r.probabilities] for r in g.classify(q, "kde", 30))
+    # a deleted item's own vector: its best similarity is no longer 1
+    dead = g._emb[[g._row_of.get(0, 0)]] if 0 in g._row_of else rows[0][2][None, :]
+    assert g.classify(dead, "kde", 30)[0].best_similarity < 0.999
+
+    g.apply_add([900, 901], "e", _unit(rng, 2), seq=11)  # a label added at run time
+    _compare(g, np.concatenate([_unit(rng, 2), g._emb[[g._row_of[900]]]]))
+    assert g.classify(g._emb[[g._row_of[901]]], "kde", 30)[0].best_similarity > 0.999
