@@ -465,6 +465,7 @@ def main() -> None:
                     "p50_ms": half["p50_ms"],
                     "p99_ms": half["p99_ms"],
                     "p99_over_single": half["p99_ms"] / single,
+                    "client_late_p99_ms": half["client_late_p99_ms"],
                 },
             }
             results[arch]["batching" if max_batch > 1 else "no_batching"] = summary

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fused-memory-mb",
         type=float,
-        help="CPU: memory the fused copies may take together (128 MB)",
+        help="CPU: memory the fused copies may take together (512 MB)",
     )
     p.add_argument(
         "--torch-threads",

@@ -68,10 +68,10 @@ class Settings(BaseSettings):
         "Batches of one to a few images are what a moderately loaded server runs",
     )
     fused_memory_mb: float = Field(
-        128.0,
+        512.0,
         ge=0.0,
         description="CPU: resident memory the fused copies may take together (conv4: ~8 MB "
-        "each, ResNet-18: ~100 MB each); sizes beyond it get none",
+        "each, ResNet-18: ~100 MB each, so sizes 1-4); sizes beyond it get none",
     )
     torch_threads: int = Field(
         0,
