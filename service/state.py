@@ -115,6 +115,10 @@ class ServiceState:
         if replay_del:
             g._index_remove(np.array([r[0] for r in replay_del], dtype=np.int64))
         g.version = last_seq
+        # The first classify builds the gallery's vote caches and compiles the kde vote
+        # (measured 16.5 ms against 2.8 ms after, 55,000 items): done here, not on a request.
+        q = np.eye(1, ix.dim, dtype=np.float32)
+        self.batcher.call(lambda: g.classify(q, s.vote, s.k))
         self.gallery = g
         self._update_gauges()
         self.ready = True

@@ -30,6 +30,15 @@ def img(raw, i):
     return {"image": ("q.png", png(raw, i), "image/png")}
 
 
+def test_start_up_warms_the_vote_caches(client):
+    """The first request does not build the gallery's kde caches or compile the vote."""
+    from embedding.voting import scripted_kde_top
+
+    g = client.app.state.snca.gallery
+    assert g._cache is not None and g._cache[0] == (g._epoch, len(g.labels))
+    assert scripted_kde_top.cache_info().currsize == 1
+
+
 def test_classify_base_images(client, fmnist_test):
     names = {1: "Trouser", 5: "Sandal", 7: "Sneaker", 8: "Bag", 9: "Ankle boot"}
     ok = total = 0
