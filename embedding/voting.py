@@ -87,8 +87,7 @@ def kde_log_density(
     )
     if onehot is not None:
         return kde_from_onehot(similarities, onehot, counts, temperature)
-    w = similarities.to(dtype) - 1.0  # (Q, N), a fresh tensor: the rest is in place
-    w.div_(temperature).exp_()  # exp((s - 1)/σ)
+    w = _kde_weights(similarities, dtype, temperature)  # (Q, N)
     sums = torch.zeros(w.shape[0], num_classes + 1, dtype=dtype, device=w.device)
     sums.scatter_add_(1, lab.unsqueeze(0).expand(w.shape[0], -1), w)  # (Q, C+1)
     return _kde_finish(sums[:, :num_classes], counts, temperature)
@@ -99,10 +98,18 @@ def kde_from_onehot(
 ) -> torch.Tensor:
     """kde_log_density given kde_prepare's one-hot (N, C+1) and counts (C,): (Q, N) -> (Q, C).
     TorchScript-compatible (kde_top compiles it)."""
-    w = similarities.to(onehot.dtype) - 1.0  # (Q, N), a fresh tensor: the rest is in place
-    w.div_(temperature).exp_()  # exp((s - 1)/σ)
+    w = _kde_weights(similarities, onehot.dtype, temperature)  # (Q, N)
     sums = w @ onehot  # (Q, C+1): per-label sums, the last column collects deleted items
     return _kde_finish(sums[:, : counts.shape[0]], counts, temperature)
+
+
+def _kde_weights(
+    similarities: torch.Tensor, dtype: torch.dtype, temperature: float
+) -> torch.Tensor:
+    """exp((s - 1)/σ) in `dtype`: each item's kernel weight, shifted by 1/σ (s <= 1) so that
+    nothing overflows. (Q, N), a fresh tensor (the rest is in place)."""
+    w = similarities.to(dtype) - 1.0
+    return w.div_(temperature).exp_()
 
 
 def _kde_finish(sums: torch.Tensor, counts: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -157,6 +164,7 @@ def scripted_kde_top():
         with torch.jit.optimized_execution(False):
             return compiled(*args)
 
+    run.__wrapped__ = compiled
     return run
 
 

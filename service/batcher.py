@@ -45,7 +45,6 @@ class MicroBatcher:
         # One model thread for the process: every forward pass (and the warm-up) runs on it, so
         # the math library keeps a single thread team instead of one per calling thread.
         self._thread = self._spawn()
-        self.in_flight = 0
 
     def _spawn(self) -> threading.Thread:
         t = threading.Thread(target=self._work, args=(self._queue,), name="model", daemon=True)
@@ -85,12 +84,8 @@ class MicroBatcher:
 
     async def submit(self, job: Any) -> Any:
         fut = self._loop.create_future()
-        self.in_flight += 1
-        try:
-            self._queue.put((job, fut, time.perf_counter()))
-            return await fut
-        finally:
-            self.in_flight -= 1
+        self._queue.put((job, fut, time.perf_counter()))
+        return await fut
 
     # ------------------------------------------------------------------ the model thread
     def _work(self, q: queue.SimpleQueue) -> None:

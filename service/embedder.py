@@ -189,17 +189,19 @@ class Embedder:
     def embed(self, batch: torch.Tensor) -> np.ndarray:
         """(B, C, H, W) uint8 images from `preprocess` (or already normalised floats)
         -> (B, d) float32 unit rows (numpy)."""
-        if self.device.type == "cpu" and batch.dtype == torch.uint8:
+        # uint8: normalised inside the module, once per batch (a fused copy for small sizes)
+        if batch.dtype == torch.uint8:
+            run = self.by_size.get(batch.shape[0], self.runner)
+        else:  # already normalised floats
+            run = self.model
+        if self.device.type == "cpu":
             # the serving path: one call into the (traced) module and nothing else that
             # releases and retakes the GIL, which the event loop's thread holds half the time
-            v = self.by_size.get(batch.shape[0], self.runner)(batch)
+            v = run(batch)
             return (v if v.dtype == torch.float32 else v.float()).numpy()
         batch = batch.to(self.device, non_blocking=True)
         with autocast_context(self.device, self.amp):
-            if batch.dtype == torch.uint8:  # normalised inside, once per batch
-                v = self.by_size.get(batch.shape[0], self.runner)(batch)
-            else:
-                v = self.model(batch)
+            v = run(batch)
         return v.float().cpu().numpy()
 
     def warmup(self, sizes=(1, 2, 8, 64)) -> None:
