@@ -1,0 +1,80 @@
+"""The benchmark's open-loop load generator, against a real uvicorn process with a tiny ASGI
+app: it must send at the offered rate, count latency from the scheduled send time, count
+non-200 answers as errors, and survive connections the server closes."""
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from benchmarks.service_load import open_loop, request_bytes
+from tests.service.conftest import free_port
+
+APP = '''
+import asyncio
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    path = scope["path"]
+    if path == "/slow":
+        await asyncio.sleep(0.02)
+    status = 503 if path == "/fail" else 200
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"2")]
+    if path == "/close":
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": b"{}"})
+'''
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("app")
+    (d / "tinyapp.py").write_text(APP)
+    port = free_port()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(d), "tinyapp:app", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    for _ in range(100):
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield port
+    p.terminate()
+    p.wait(timeout=30)
+
+
+def run(port: int, path: str, rate: float = 200.0, secs: float = 0.5) -> dict:
+    return open_loop(("127.0.0.1", port, request_bytes("127.0.0.1", port, b"x", path), rate, secs))
+
+
+def test_sends_at_the_offered_rate(server):
+    r = run(server, "/ok")
+    assert r["requests"] == 100 and r["errors"] == 0
+    assert 150 < r["rps"] < 250, r
+    assert r["p50_ms"] < 20, r
+
+
+def test_latency_counts_from_the_scheduled_send(server):
+    r = run(server, "/slow")
+    assert r["errors"] == 0
+    assert r["p50_ms"] >= 20, r
+
+
+def test_non_200_answers_are_errors(server):
+    r = run(server, "/fail")
+    assert r["requests"] == 100 and r["errors"] == 100
+
+
+def test_connections_the_server_closes_are_replaced(server):
+    r = run(server, "/close")
+    assert r["requests"] == 100 and r["errors"] == 0, r
