@@ -143,6 +143,8 @@ class Embedder:
         self.runner: torch.nn.Module = self.u8
         self.by_size: dict[int, torch.nn.Module] = {}  # batch size -> fused copy (CPU)
         self.mode = "eager"
+        # batch size -> (uint8 (B, C, H, W) input tensor, a byte view of it); see stack_pixels
+        self._inputs: dict[int, tuple[torch.Tensor, memoryview]] = {}
 
     def _example(self, b: int, seed: int) -> torch.Tensor:
         c, s = self.model.config.in_channels, self.model.config.image_size
@@ -185,10 +187,46 @@ class Embedder:
         except (OSError, ValueError) as e:
             raise ImageError(400, f"image cannot be converted: {e}") from None
 
-    @torch.inference_mode()
+    def pixels(self, img: Image.Image) -> np.ndarray:
+        """`preprocess` as a C-contiguous uint8 numpy array (C, H, W): what the service queues.
+        A greyscale image already at the model's size (Fashion-MNIST's 28x28) is read with
+        one copy of its bytes, the same values as `preprocess` gives: numpy's and torch's own
+        conversions each release and retake the GIL, which on a busy server means waiting
+        for the other thread each time (docs/PERFORMANCE.md)."""
+        size = self.model.config.image_size
+        if img.mode == "L" and self.model.config.in_channels == 1 and img.size == (size, size):
+            try:
+                data = img.tobytes()
+            except (OSError, ValueError) as e:
+                raise ImageError(400, f"image cannot be converted: {e}") from None
+            return np.frombuffer(data, dtype=np.uint8).reshape(1, size, size)
+        return np.ascontiguousarray(self.preprocess(img).numpy())
+
+    def stack_pixels(self, pixels: list[np.ndarray]) -> torch.Tensor:
+        """`pixels` arrays -> one uint8 (B, C, H, W) tensor, by plain byte copies into an input
+        tensor kept per batch size: no torch or numpy call, each of which would release the
+        GIL and wait to get it back. The tensor is overwritten by the next call with as many
+        images: the model thread, the only caller, uses it before then."""
+        b = len(pixels)
+        entry = self._inputs.get(b)
+        if entry is None:
+            c, s = self.model.config.in_channels, self.model.config.image_size
+            t = torch.empty((b, c, s, s), dtype=torch.uint8)
+            entry = self._inputs[b] = (t, memoryview(t.numpy()).cast("B"))
+        t, flat = entry
+        n = len(flat) // b
+        for i, p in enumerate(pixels):
+            flat[i * n : (i + 1) * n] = memoryview(p).cast("B")
+        return t
+
     def embed(self, batch: torch.Tensor) -> np.ndarray:
         """(B, C, H, W) uint8 images from `preprocess` (or already normalised floats)
         -> (B, d) float32 unit rows (numpy)."""
+        return self.forward(batch).numpy()
+
+    @torch.inference_mode()
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        """`embed` as a CPU torch tensor (the service's vote takes it as it is)."""
         # uint8: normalised inside the module, once per batch (a fused copy for small sizes)
         if batch.dtype == torch.uint8:
             run = self.by_size.get(batch.shape[0], self.runner)
@@ -198,11 +236,11 @@ class Embedder:
             # the serving path: one call into the (traced) module and nothing else that
             # releases and retakes the GIL, which the event loop's thread holds half the time
             v = run(batch)
-            return (v if v.dtype == torch.float32 else v.float()).numpy()
+            return v if v.dtype == torch.float32 else v.float()
         batch = batch.to(self.device, non_blocking=True)
         with autocast_context(self.device, self.amp):
             v = run(batch)
-        return v.float().cpu().numpy()
+        return v.float().cpu()
 
     def warmup(self, sizes=(1, 2, 8, 64)) -> None:
         """Forwards at a few batch sizes (twice: the traced module specialises on its first

@@ -209,7 +209,7 @@ class Gallery:
     def _unfiltered(self) -> tuple:
         """Per-gallery-state tensors every unfiltered classify needs, cached until the rows
         change: (row labels (n,), live mask, any live, all live, kde_prepare result, the live
-        mask as a tensor or None when every row is live)."""
+        mask as a tensor or None when every row is live, the rows (n, d) as a tensor)."""
         c = self._cache
         if c is not None and c[0] == (self._epoch, len(self.labels)):
             return c[1]
@@ -223,6 +223,7 @@ class Gallery:
             bool(live.all()),
             kde_prepare(lab_t, len(self.labels), self.temperature),
             None if live.all() else torch.from_numpy(live),
+            torch.from_numpy(self._emb[: self._rows]),  # a view: _emb is replaced when it grows
         )
         self._cache = ((self._epoch, len(self.labels)), v)
         return v
@@ -311,21 +312,25 @@ class Gallery:
         labels: list[str] | None = None,
         neighbors: bool = False,
     ) -> list[Classification]:
-        """Label probabilities for each query (B, d) under `vote`, optionally restricted to
-        `labels`; neighbours (the kNN voters) when asked or when the rule needs them."""
+        """Label probabilities for each query (B, d) (numpy, or a float32 CPU tensor) under
+        `vote`, optionally restricted to `labels`; neighbours (the kNN voters) when asked or
+        when the rule needs them."""
         with self.lock.read():
             c = len(self.labels)
             allowed, allowed_labels = self._allowed(labels)
-            qt = torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
+            if isinstance(q, torch.Tensor):  # the model thread's own output: no conversion
+                qt = q
+            else:
+                qt = torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
             n = self._rows
             if allowed_labels is None:
-                row_label, live, any_live, all_live, prepared, live_t = self._unfiltered()
+                row_label, live, any_live, all_live, prepared, live_t, emb = self._unfiltered()
             else:
                 row_label = self._row_label[:n]
                 row_label = np.where(np.isin(row_label, allowed_labels), row_label, -1)
                 live = row_label >= 0
                 any_live, all_live, prepared = bool(live.any()), bool(live.all()), None
-            emb = torch.from_numpy(self._emb[:n])
+                emb = torch.from_numpy(self._emb[:n])
             top = min(5, c)
             if (
                 vote == "kde"

@@ -39,13 +39,13 @@ HEAVY_MODEL_MS = 2.0
 @dataclass
 class Job:
     kind: str  # "classify" or "embed"
-    tensor: torch.Tensor  # (C, H, W)
+    pixels: np.ndarray  # uint8 (C, H, W), Embedder.pixels
     params: tuple = ()  # classify: (vote, k, labels tuple or None, neighbors)
 
 
 @dataclass
 class Prepared:
-    tensor: torch.Tensor
+    pixels: np.ndarray  # uint8 (C, H, W), Embedder.pixels
     data: bytes
     mime: str
     thumbnail: bytes | None = None  # when asked for (gallery adds with SNCA_THUMBNAILS)
@@ -176,7 +176,7 @@ class ServiceState:
     def _finish(self, img, data: bytes, name: str, thumbnail: bool = False) -> Prepared:
         img, mime = load_image(img, name)
         thumb = make_thumbnail(img, self.settings.thumbnail_side) if thumbnail else None
-        return Prepared(self.embedder.preprocess(img), data, mime, thumb)
+        return Prepared(self.embedder.pixels(img), data, mime, thumb)
 
     async def prepare_async(
         self, datas: list[bytes], names: list[str], thumbnails: bool = False
@@ -198,18 +198,23 @@ class ServiceState:
     def _run_batch(self, jobs: list[Job]) -> list:
         """In the model thread: one forward for the whole batch, then classification of the
         classify jobs grouped by their parameters (one matmul / search per group)."""
-        emb = self.embedder.embed(torch.stack([j.tensor for j in jobs]))  # (B, d)
+        # Under load every call that releases the GIL waits for the event loop to give it
+        # back, so the common batch (classify jobs with the same parameters) makes three such
+        # calls: the queue's wake-up, the forward pass and the vote (docs/PERFORMANCE.md).
+        emb = self.embedder.forward(self.embedder.stack_pixels([j.pixels for j in jobs]))  # (B, d)
         out: list = [None] * len(jobs)
         groups: dict[tuple, list[int]] = {}
         for i, j in enumerate(jobs):
-            if j.kind == "embed":
-                out[i] = emb[i]
-            else:
+            if j.kind == "classify":
                 groups.setdefault(j.params, []).append(i)
+        if any(j.kind == "embed" for j in jobs):  # gallery adds: numpy rows
+            rows = emb.numpy()
+            for i, j in enumerate(jobs):
+                if j.kind == "embed":
+                    out[i] = rows[i].copy()  # its own memory, not a view holding the batch
         for (vote, k, labels, neighbors), idx in groups.items():
-            res = self.gallery.classify(
-                emb[idx], vote, k, list(labels) if labels else None, neighbors
-            )
+            q = emb if len(idx) == len(jobs) else emb[idx]
+            res = self.gallery.classify(q, vote, k, list(labels) if labels else None, neighbors)
             for i, r in zip(idx, res, strict=True):
                 out[i] = r
         return out
@@ -221,10 +226,10 @@ class ServiceState:
     async def classify(
         self, p: Prepared, vote: str, k: int, labels: tuple | None, neighbors: bool
     ) -> Classification:
-        return await self.batcher.submit(Job("classify", p.tensor, (vote, k, labels, neighbors)))
+        return await self.batcher.submit(Job("classify", p.pixels, (vote, k, labels, neighbors)))
 
     async def embed(self, p: Prepared) -> np.ndarray:
-        return await self.batcher.submit(Job("embed", p.tensor))
+        return await self.batcher.submit(Job("embed", p.pixels))
 
     # ------------------------------------------------------------------ writes
     def add(
