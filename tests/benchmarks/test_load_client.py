@@ -12,7 +12,7 @@ import pytest
 from benchmarks.service_load import open_loop, request_bytes
 from tests.service.conftest import free_port
 
-APP = '''
+APP = """
 import asyncio
 
 async def app(scope, receive, send):
@@ -29,7 +29,7 @@ async def app(scope, receive, send):
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": b"{}"})
-'''
+"""
 
 
 @pytest.fixture(scope="module")
