@@ -12,12 +12,8 @@ model thread can meet that target; the event loop's own cost per request has to 
 from __future__ import annotations
 
 import argparse
-import io
 import multiprocessing as mp
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +26,9 @@ from service_load import (  # noqa: E402
     _with_cpu,
     load_level,
     open_loop,
+    query_png,
     request_bytes,
+    serve,
 )
 
 STUB = """
@@ -62,31 +60,9 @@ def main() -> None:
     a = ap.parse_args()
     run = RUNS.get(a.model, Path(a.model))
     code = STUB.format(batch_ms=a.batch_ms, per_image_ms=a.per_image_ms)
-    args = ["--model", str(run), "--data-dir", str(run / "bench-ideal"), "--port", str(a.port)]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, *args, "--log-level", "warning"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
+    proc = serve(run, a.port, 64, run / "bench-ideal", python_args=("-c", code))
     try:
-        import httpx
-        from PIL import Image
-
-        from embedding.datasets import load_raw
-
-        for _ in range(300):
-            try:
-                if httpx.get(f"http://127.0.0.1:{a.port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            raise SystemExit("the server did not start")
-        b = io.BytesIO()
-        Image.fromarray(load_raw("fashion-mnist", "test").source.get(0)[0].numpy()).save(b, "PNG")
-        req = request_bytes("127.0.0.1", a.port, b.getvalue())
+        req = request_bytes("127.0.0.1", a.port, query_png())
         host = "127.0.0.1"
         with mp.get_context("spawn").Pool(1) as pool:
             single = _with_cpu(pool, proc.pid, load_level, (host, a.port, req, 1, a.seconds))

@@ -441,13 +441,27 @@ async def _http_breakdown(st, png: bytes, n: int = 2000) -> dict:
     return {"asgi_app_with_decode": app_us, "decode_and_preprocess": decode_us}
 
 
-def serve(run: Path, port: int, max_batch: int, data_dir: Path) -> subprocess.Popen:
+def query_png() -> bytes:
+    """The benchmark's query: the first Fashion-MNIST test image as a 28x28 PNG."""
+    from PIL import Image
+
+    from embedding.datasets import load_raw
+
+    b = io.BytesIO()
+    Image.fromarray(load_raw("fashion-mnist", "test").source.get(0)[0].numpy()).save(b, "PNG")
+    return b.getvalue()
+
+
+def serve(
+    run: Path, port: int, max_batch: int, data_dir: Path, python_args=("-m", "service")
+) -> subprocess.Popen:
+    """A server process (`python -m service` unless `python_args` says otherwise, with
+    snca-serve's flags) on loopback, once /readyz answers 200."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "service",
+            *python_args,
             "--model",
             str(run),
             "--data-dir",
@@ -462,6 +476,7 @@ def serve(run: Path, port: int, max_batch: int, data_dir: Path) -> subprocess.Po
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
+        cwd=ROOT,
     )
     import httpx
 
@@ -517,13 +532,7 @@ def main() -> None:
         ap.error("--fractions must lie in (0, 1]")
     if a.prepare:
         prepare()
-    from PIL import Image
-
-    from embedding.datasets import load_raw
-
-    raw = load_raw("fashion-mnist", "test")
-    b = io.BytesIO()
-    Image.fromarray(raw.source.get(0)[0].numpy()).save(b, "PNG")
+    png = query_png()
     try:
         levels = [int(x) for x in a.levels.split(",")]
     except ValueError:
@@ -534,7 +543,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     for arch in a.models.split(","):
         run = RUNS.get(arch, Path(arch))  # a bench model's name, or any run dir with an index
-        bare = bare_limit(run, b.getvalue())
+        bare = bare_limit(run, png)
         results[arch] = {"bare": bare}
         print(
             f"{arch}: bare limit {bare['images_per_s']:.0f} img/s (batch {bare['batch']}), "
@@ -550,7 +559,7 @@ def main() -> None:
         for max_batch in (64, 1):
             data_dir = run / f"bench-serve-{max_batch}"
             proc = serve(run, a.port, max_batch, data_dir)
-            req = request_bytes("127.0.0.1", a.port, b.getvalue())
+            req = request_bytes("127.0.0.1", a.port, png)
             rows = []
             try:
                 with ctx.Pool(1) as pool:

@@ -204,14 +204,16 @@ class ServiceState:
         emb = self.embedder.forward(self.embedder.stack_pixels([j.pixels for j in jobs]))  # (B, d)
         out: list = [None] * len(jobs)
         groups: dict[tuple, list[int]] = {}
+        embeds: list[int] = []
         for i, j in enumerate(jobs):
             if j.kind == "classify":
                 groups.setdefault(j.params, []).append(i)
-        if any(j.kind == "embed" for j in jobs):  # gallery adds: numpy rows
+            else:
+                embeds.append(i)
+        if embeds:  # gallery adds: numpy rows
             rows = emb.numpy()
-            for i, j in enumerate(jobs):
-                if j.kind == "embed":
-                    out[i] = rows[i].copy()  # its own memory, not a view holding the batch
+            for i in embeds:
+                out[i] = rows[i].copy()  # its own memory, not a view holding the batch
         for (vote, k, labels, neighbors), idx in groups.items():
             q = emb if len(idx) == len(jobs) else emb[idx]
             res = self.gallery.classify(q, vote, k, list(labels) if labels else None, neighbors)
