@@ -1,6 +1,7 @@
 """The benchmark's open-loop load generator, against a real uvicorn process with a tiny ASGI
 app: it must send at the offered rate, count latency from the scheduled send time, count
-non-200 answers as errors, and survive connections the server closes."""
+non-200 answers as errors, survive connections the server closes, and stop with a clear error
+when the server falls so far behind that select() would run out of descriptors."""
 
 import subprocess
 import sys
@@ -23,6 +24,8 @@ async def app(scope, receive, send):
     path = scope["path"]
     if path == "/slow":
         await asyncio.sleep(0.02)
+    if path == "/stall":
+        await asyncio.sleep(5)
     status = 503 if path == "/fail" else 200
     headers = [(b"content-type", b"application/json"), (b"content-length", b"2")]
     if path == "/close":
@@ -78,3 +81,11 @@ def test_non_200_answers_are_errors(server):
 def test_connections_the_server_closes_are_replaced(server):
     r = run(server, "/close")
     assert r["requests"] == 100 and r["errors"] == 0, r
+
+
+def test_a_server_far_behind_stops_the_client_with_a_clear_error(server):
+    # 50,000/s against answers that take 5 s: dozens of sends per loop turn. When the check
+    # came once per turn, the client passed 1,024 sockets first and died of "too many open
+    # files" or select()'s "filedescriptor out of range".
+    with pytest.raises(RuntimeError, match="not keeping up"):
+        run(server, "/stall", rate=50000.0, secs=0.1)
