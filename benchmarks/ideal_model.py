@@ -4,22 +4,31 @@ model thread is ideal, i.e. it holds no GIL and costs no CPU (each batch is a sl
 real service: uvicorn, the middleware, multipart, PNG decoding, the micro-batcher, JSON.
 
     python benchmarks/ideal_model.py                 # conv4 bench run, 0.6 + 0.1 ms per batch
+    python benchmarks/ideal_model.py --empty         # an empty ASGI app on uvicorn instead
+    python benchmarks/ideal_model.py --empty --burn-us 400   # ... costing 0.4 ms per request
 
 If p99 at half of saturation is over 3x the single-request latency even here, no work on the
 model thread can meet that target; the event loop's own cost per request has to fall.
+`--empty` measures the floor under any service on this machine: a raw ASGI app that reads the
+same upload and answers a fixed JSON body, on uvicorn with the service's settings, measured by
+the same client in the same way. With `--burn-us` each request also costs a fixed CPU time
+on the event loop: a server whose cost per request does not fall under load.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import httpx  # noqa: E402
 from service_load import (  # noqa: E402
     RUNS,
     _cpu_text,
@@ -48,6 +57,41 @@ sys.exit(main())
 """
 
 
+EMPTY = """
+import sys, time, uvicorn
+BURN = float(sys.argv[2]) / 1e6
+BODY = (b'{"label":"Ankle boot","confidence":0.97,"probabilities":[{"label":"Ankle boot",'
+        b'"probability":0.97}],"unknown":false,"best_similarity":0.9,"vote":"kde","k":30,'
+        b'"gallery_version":0,"model_fingerprint":"0123456789abcdef"}')
+HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(BODY)).encode())]
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    t = time.perf_counter() + BURN
+    while time.perf_counter() < t:  # a fixed CPU cost per request, on the event loop
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+    await send({"type": "http.response.body", "body": BODY})
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
+"""
+
+
+def serve_empty(port: int, burn_us: float) -> subprocess.Popen:
+    p = subprocess.Popen(
+        [sys.executable, "-c", EMPTY, str(port), str(burn_us)], stderr=subprocess.DEVNULL
+    )
+    for _ in range(100):
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+            return p
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    p.kill()
+    raise RuntimeError("the empty app did not start")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -55,28 +99,49 @@ def main() -> None:
     ap.add_argument("--model", default="conv4", help="bench model name or run dir")
     ap.add_argument("--batch-ms", type=float, default=0.6, help="sleep per batch")
     ap.add_argument("--per-image-ms", type=float, default=0.1, help="extra sleep per image")
+    ap.add_argument("--empty", action="store_true", help="an empty ASGI app, not the service")
+    ap.add_argument(
+        "--burn-us",
+        type=float,
+        default=0.0,
+        help="with --empty: busy CPU time per request on the event loop, in microseconds",
+    )
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--port", type=int, default=8912)
     a = ap.parse_args()
-    run = RUNS.get(a.model, Path(a.model))
-    code = STUB.format(batch_ms=a.batch_ms, per_image_ms=a.per_image_ms)
-    proc = serve(run, a.port, 64, run / "bench-ideal", python_args=("-c", code))
+    if a.seconds <= 0 or min(a.batch_ms, a.per_image_ms, a.burn_us) < 0:
+        ap.error("--seconds must be positive; --batch-ms, --per-image-ms, --burn-us not negative")
+    if a.burn_us and not a.empty:
+        ap.error("--burn-us applies to --empty only")
+    if a.empty:
+        proc = serve_empty(a.port, a.burn_us)
+        what = f"empty ASGI app ({a.burn_us:.0f} us of CPU per request)"
+    else:
+        run = RUNS.get(a.model, Path(a.model))
+        code = STUB.format(batch_ms=a.batch_ms, per_image_ms=a.per_image_ms)
+        proc = serve(run, a.port, 64, run / "bench-ideal", python_args=("-c", code))
+        what = "ideal model thread"
     try:
         req = request_bytes("127.0.0.1", a.port, query_png())
         host = "127.0.0.1"
         with mp.get_context("spawn").Pool(1) as pool:
             single = _with_cpu(pool, proc.pid, load_level, (host, a.port, req, 1, a.seconds))
             sat = _with_cpu(pool, proc.pid, load_level, (host, a.port, req, 64, a.seconds))
-            half = _with_cpu(
-                pool, proc.pid, open_loop, (host, a.port, req, sat["rps"] / 2, a.seconds)
-            )
-        for name, r in (("c=1", single), ("c=64", sat), ("half, open loop", half)):
+            rows = [("c=1", single), ("c=64", sat)]
+            for f in (0.25, 0.5):
+                r = _with_cpu(
+                    pool, proc.pid, open_loop, (host, a.port, req, sat["rps"] * f, a.seconds)
+                )
+                rows.append((f"{f:.0%} of saturation, open loop", r))
+        for name, r in rows:
             print(
-                f"{name}: {r['rps']:.0f}/s p50 {r['p50_ms']:.2f} ms p99 {r['p99_ms']:.2f} ms; "
-                f"{_cpu_text(r)}"
+                f"{name}: {r['rps']:.0f}/s p50 {r['p50_ms']:.2f} ms p99 {r['p99_ms']:.2f} ms "
+                f"= {r['p99_ms'] / single['p50_ms']:.1f}x single; {_cpu_text(r)}"
+                + (f"; client late p99 {r['client_late_p99_ms']:.2f} ms" if "open" in name else "")
             )
+        half = rows[-1][1]
         print(
-            f"ideal model thread: p99 at half saturation {half['p99_ms']:.2f} ms = "
+            f"{what}: p99 at half saturation {half['p99_ms']:.2f} ms = "
             f"{half['p99_ms'] / single['p50_ms']:.1f}x the single-request latency "
             f"{single['p50_ms']:.2f} ms"
         )

@@ -2,6 +2,7 @@
 
     python benchmarks/service_load.py --prepare            # tiny conv4 and resnet18 runs + indexes
     python benchmarks/service_load.py                      # both models, batching on and off
+    python benchmarks/service_load.py --models conv4 --max-batches 1,2,4,64 --rates 700
 
 For each model and batching setting: a fresh `python -m service` process on loopback; a load
 generator in a separate process (asyncio, keep-alive connections, pre-built multipart requests
@@ -144,6 +145,7 @@ def open_loop(args) -> dict:
     # socket -> [scheduled send time, counted (after the warm-up), bytes read, a retry]
     busy: dict[socket.socket, list] = {}
     lat, errors, late = [], [], []
+    server: list[float] = []  # the server's own time (its x-process-time-ms header), ms
 
     def connect() -> socket.socket:
         # select() takes file descriptors below 1,024 only: stop with a clear error first
@@ -210,6 +212,9 @@ def open_loop(args) -> dict:
         idle.append(s)
         if st[1]:
             lat.append(now - st[0])
+            t = re.search(rb"x-process-time-ms:\s*([0-9.]+)", st[2][:head_end].lower())
+            if t:
+                server.append(float(t.group(1)))
             if b" 200 " not in st[2][: st[2].find(b"\r\n")]:
                 errors.append(st[2][:40])
 
@@ -251,6 +256,10 @@ def open_loop(args) -> dict:
         "offered_rps": rate,
         **stats,
         "client_late_p99_ms": late_p99,
+        # from the middleware's start to the response's start: the rest of a latency is
+        # waiting to be read (a busy event loop) and the client's own lateness
+        "server_p50_ms": float(np.percentile(server, 50)) if server else None,
+        "server_p99_ms": float(np.percentile(server, 99)) if server else None,
         "client_cpu_us": _cpu_since(cpu0, stats["requests"]),
     }
 
@@ -529,6 +538,17 @@ def main() -> None:
         default="0.25,0.5,0.75",
         help="open-loop rates as fractions of the saturated rate (0.5 is always run)",
     )
+    ap.add_argument(
+        "--max-batches",
+        default="64,1",
+        help="micro-batcher sizes to run, one fresh server each (1 = batching off)",
+    )
+    ap.add_argument(
+        "--rates",
+        default="",
+        help="also open-loop at these fixed rates (requests/s), the same for every setting; "
+        "a rate a setting cannot keep up with is recorded as overloaded",
+    )
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
     try:
@@ -537,6 +557,15 @@ def main() -> None:
         ap.error(f"--fractions: {a.fractions!r} is not a comma-separated list of numbers")
     if not all(0 < f <= 1 for f in fractions):
         ap.error("--fractions must lie in (0, 1]")
+    try:
+        max_batches = [int(x) for x in a.max_batches.split(",")]
+        rates = [float(x) for x in a.rates.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--max-batches {a.max_batches!r} / --rates {a.rates!r}: comma-separated numbers")
+    if not max_batches or min(max_batches) < 1 or max(max_batches) > 1024:
+        ap.error("--max-batches must be sizes from 1 to 1024")
+    if any(r <= 0 for r in rates):
+        ap.error("--rates must be positive")
     if a.prepare:
         prepare()
     png = query_png()
@@ -563,7 +592,7 @@ def main() -> None:
             + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in cpu.items()),
             flush=True,
         )
-        for max_batch in (64, 1):
+        for max_batch in max_batches:
             data_dir = run / f"bench-serve-{max_batch}"
             proc = serve(run, a.port, max_batch, data_dir)
             req = request_bytes("127.0.0.1", a.port, png)
@@ -576,7 +605,7 @@ def main() -> None:
                         )
                         rows.append(r)
                         print(
-                            f"  batching {'on ' if max_batch > 1 else 'off'} c={conc:3d}: {r['rps']:7.0f} img/s "
+                            f"  max batch {max_batch:3d} c={conc:3d}: {r['rps']:7.0f} img/s "
                             f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  "
                             f"{_cpu_text(r)}",
                             flush=True,
@@ -601,6 +630,25 @@ def main() -> None:
                             flush=True,
                         )
                     half = opened[0.5]
+                    fixed = []
+                    for rate in rates:
+                        try:
+                            r = _with_cpu(
+                                pool,
+                                proc.pid,
+                                open_loop,
+                                ("127.0.0.1", a.port, req, rate, a.seconds),
+                            )
+                        except RuntimeError as e:  # the client's "not keeping up"
+                            fixed.append({"offered_rps": rate, "overloaded": str(e)})
+                            print(f"  open loop at {rate:.0f}/s: overloaded ({e})", flush=True)
+                            continue
+                        fixed.append(r)
+                        print(
+                            f"  open loop at {rate:.0f}/s: p50 {r['p50_ms']:.2f} ms  "
+                            f"p99 {r['p99_ms']:.2f} ms  errors {r['errors']}  {_cpu_text(r)}",
+                            flush=True,
+                        )
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
@@ -627,7 +675,10 @@ def main() -> None:
                     for f, r in opened.items()
                 ],
             }
-            results[arch]["batching" if max_batch > 1 else "no_batching"] = summary
+            if rates:
+                summary["fixed_rates"] = fixed
+            key = {64: "batching", 1: "no_batching"}.get(max_batch, f"max_batch_{max_batch}")
+            results[arch][key] = summary
             print(
                 f"  -> saturation {sat['rps']:.0f} img/s at c={sat['concurrency']} "
                 f"({100 * summary['service_over_bare']:.0f}% of bare); p99 at half saturation "

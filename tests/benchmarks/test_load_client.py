@@ -1,7 +1,8 @@
 """The benchmark's open-loop load generator, against a real uvicorn process with a tiny ASGI
 app: it must send at the offered rate, count latency from the scheduled send time, count
-non-200 answers as errors, survive connections the server closes, and stop with a clear error
-when the server falls so far behind that select() would run out of descriptors."""
+non-200 answers as errors, read the server's own time from its header, survive connections
+the server closes, and stop with a clear error when the server falls so far behind that
+select() would run out of descriptors."""
 
 import subprocess
 import sys
@@ -30,6 +31,8 @@ async def app(scope, receive, send):
     headers = [(b"content-type", b"application/json"), (b"content-length", b"2")]
     if path == "/close":
         headers.append((b"connection", b"close"))
+    if path == "/timed":
+        headers.append((b"x-process-time-ms", b"7.25"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": b"{}"})
 """
@@ -71,6 +74,12 @@ def test_latency_counts_from_the_scheduled_send(server):
     r = run(server, "/slow")
     assert r["errors"] == 0
     assert r["p50_ms"] >= 20, r
+
+
+def test_the_servers_own_time_is_read_from_its_header(server):
+    assert run(server, "/ok")["server_p50_ms"] is None  # no header: nothing to report
+    r = run(server, "/timed")
+    assert r["server_p50_ms"] == r["server_p99_ms"] == 7.25, r
 
 
 def test_non_200_answers_are_errors(server):

@@ -1,0 +1,75 @@
+"""The latency tools behind docs/PERFORMANCE.md still run against the service as it is: they
+patch its internals (the model thread's batch, the forward, the vote) by name, so a rename
+must fail here rather than leave a tool that measures nothing."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.service.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tool(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout
+    )
+
+
+def test_batch_trace_times_batches_forward_and_vote(base_run, tmp_path):
+    out = tmp_path / "trace.json"
+    p = tool(
+        "benchmarks/batch_trace.py",
+        "--model",
+        str(base_run),
+        "--rate",
+        "100",
+        "--seconds",
+        "1",
+        "--port",
+        str(free_port()),
+        "--json",
+        str(out),
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(out.read_text())
+    for phase in (r["single"], r["open_loop"]["trace"]):
+        assert phase["batches"] > 20, phase
+        assert 0 < phase["model_thread_busy"] < 1.5, phase
+        for key in ("forward", "vote"):
+            assert phase[key]["cpu_ms"] > 0 and phase[key]["wall_ms"] > 0, phase
+    assert r["single"]["mean_batch"] == 1.0  # one request at a time
+    ol = r["open_loop"]
+    assert ol["errors"] == 0 and ol["requests"] >= 90, ol
+    assert 0 < ol["server_p50_ms"] <= ol["p50_ms"], ol  # the server's part of the latency
+    assert "event loop" in r["threads"], r["threads"]
+
+
+def test_ideal_model_and_empty_app_report_the_ratio(base_run):
+    p = tool(
+        "benchmarks/ideal_model.py",
+        "--model",
+        str(base_run),
+        "--seconds",
+        "1",
+        "--port",
+        str(free_port()),
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "ideal model thread: p99 at half saturation" in p.stdout, p.stdout
+    p = tool(
+        "benchmarks/ideal_model.py",
+        "--empty",
+        "--burn-us",
+        "200",
+        "--seconds",
+        "1",
+        "--port",
+        str(free_port()),
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "empty ASGI app (200 us of CPU per request)" in p.stdout, p.stdout
+    p = tool("benchmarks/ideal_model.py", "--burn-us", "200")
+    assert p.returncode == 2 and "--burn-us applies to --empty only" in p.stderr
