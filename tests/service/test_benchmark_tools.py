@@ -1,5 +1,5 @@
-"""The latency tools behind docs/PERFORMANCE.md still run against the service as it is: they
-patch its internals (the model thread's batch, the forward, the vote) by name, so a rename
+"""The latency tools behind docs/PERFORMANCE.md still run. batch_trace and ideal_model patch
+the service's internals (the model thread's batch, the forward, the vote) by name, so a rename
 must fail here rather than leave a tool that measures nothing."""
 
 import json
@@ -73,3 +73,10 @@ def test_ideal_model_and_empty_app_report_the_ratio(base_run):
     assert "empty ASGI app (200 us of CPU per request)" in p.stdout, p.stdout
     p = tool("benchmarks/ideal_model.py", "--burn-us", "200")
     assert p.returncode == 2 and "--burn-us applies to --empty only" in p.stderr
+
+
+def test_thread_or_process_runs_both_servers():
+    p = tool("benchmarks/thread_or_process.py", "--seconds", "0.5", "--port", str(free_port()))
+    assert p.returncode == 0, p.stderr[-2000:]
+    for mode in ("thread ", "process"):
+        assert f"model {mode}: single" in p.stdout, p.stdout
