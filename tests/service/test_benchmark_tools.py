@@ -80,3 +80,21 @@ def test_thread_or_process_runs_both_servers():
     assert p.returncode == 0, p.stderr[-2000:]
     for mode in ("thread ", "process"):
         assert f"model {mode}: single" in p.stdout, p.stdout
+
+
+def test_model_process_prototype_answers_like_the_service(base_run):
+    p = tool(
+        "benchmarks/model_process.py",
+        "--model",
+        str(base_run),
+        "--seconds",
+        "0.5",
+        "--rates",
+        "",
+        "--port",
+        str(free_port()),
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    for name in ("model thread ", "model process"):
+        assert f"{name} half of saturation" in p.stdout, p.stdout
+    assert "overloaded" not in p.stdout
