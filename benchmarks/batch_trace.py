@@ -49,7 +49,7 @@ STUB = """
 import sys, time
 from service import app as app_mod, embedder, gallery, state
 rec = {"batch": [], "forward": [], "vote": []}
-def timed(fn, key, size=False):
+def timed(fn, key):
     def wrapper(self, arg, *a, **k):
         t0, c0 = time.perf_counter(), time.thread_time()
         out = fn(self, arg, *a, **k)

@@ -44,7 +44,6 @@ from service_load import (  # noqa: E402
 # ServiceState.classify sending jobs to the worker.
 STUB = r"""
 import asyncio, itertools, json, os, struct, subprocess, sys
-import numpy as np
 from service import state
 from service.gallery import Classification
 argv = sys.argv[1:]
@@ -88,6 +87,8 @@ async def classify(self, p, vote, k, labels, neighbors):
     i = next(ids)
     f = futures[i] = loop.create_future()
     px = p.pixels.tobytes()
+    # a blocking write: it would stall the loop if ~80 jobs (64 KB) were waiting, which the
+    # benchmark's 64 connections never reach
     os.write(jobs_w, HEAD.pack(i, VOTES.index(vote), k, len(px)) + px)
     return await f
 
@@ -182,7 +183,7 @@ def main() -> None:
     if a.seconds <= 0 or any(r <= 0 for r in a.rates):
         ap.error("--seconds and --rates must be positive")
     run = RUNS.get(a.model, Path(a.model))
-    code = STUB.replace("WORKER, ", repr(WORKER) + ", ", 1)
+    code = STUB.replace("WORKER, ", repr(WORKER) + ", ", 1)  # the worker's code, inlined
     answers, errors = [], 0
     with mp.get_context("spawn").Pool(1) as pool:
         for name, args in (("model thread ", ("-m", "service")), ("model process", ("-c", code))):
