@@ -19,26 +19,14 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import httpx  # noqa: E402
-from service_load import (  # noqa: E402
-    RUNS,
-    _cpu_text,
-    _with_cpu,
-    load_level,
-    open_loop,
-    query_png,
-    request_bytes,
-    serve,
-)
+from service_load import RUNS, latency_ratio, print_rows, query_png, serve, start_app  # noqa: E402
 
 STUB = """
 import sys, time
@@ -78,20 +66,6 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", a
 """
 
 
-def serve_empty(port: int, burn_us: float) -> subprocess.Popen:
-    p = subprocess.Popen(
-        [sys.executable, "-c", EMPTY, str(port), str(burn_us)], stderr=subprocess.DEVNULL
-    )
-    for _ in range(100):
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
-            return p
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    p.kill()
-    raise RuntimeError("the empty app did not start")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -114,7 +88,7 @@ def main() -> None:
     if a.burn_us and not a.empty:
         ap.error("--burn-us applies to --empty only")
     if a.empty:
-        proc = serve_empty(a.port, a.burn_us)
+        proc = start_app(EMPTY, a.port, a.burn_us)
         what = f"empty ASGI app ({a.burn_us:.0f} us of CPU per request)"
     else:
         run = RUNS.get(a.model, Path(a.model))
@@ -122,24 +96,14 @@ def main() -> None:
         proc = serve(run, a.port, 64, run / "bench-ideal", python_args=("-c", code))
         what = "ideal model thread"
     try:
-        req = request_bytes("127.0.0.1", a.port, query_png())
-        host = "127.0.0.1"
         with mp.get_context("spawn").Pool(1) as pool:
-            single = _with_cpu(pool, proc.pid, load_level, (host, a.port, req, 1, a.seconds))
-            sat = _with_cpu(pool, proc.pid, load_level, (host, a.port, req, 64, a.seconds))
-            rows = [("c=1", single), ("c=64", sat)]
-            for f in (0.25, 0.5):
-                r = _with_cpu(
-                    pool, proc.pid, open_loop, (host, a.port, req, sat["rps"] * f, a.seconds)
-                )
-                rows.append((f"{f:.0%} of saturation, open loop", r))
-        for name, r in rows:
-            print(
-                f"{name}: {r['rps']:.0f}/s p50 {r['p50_ms']:.2f} ms p99 {r['p99_ms']:.2f} ms "
-                f"= {r['p99_ms'] / single['p50_ms']:.1f}x single; {_cpu_text(r)}"
-                + (f"; client late p99 {r['client_late_p99_ms']:.2f} ms" if "open" in name else "")
+            rows = latency_ratio(
+                pool, proc.pid, a.port, query_png(), a.seconds, fractions=(0.25, 0.5)
             )
-        half = rows[-1][1]
+        print_rows("", rows)
+        single, half = rows[0][1], rows[-1][1]
+        if "overloaded" in half:
+            sys.exit(f"{what}: overloaded at half saturation")
         print(
             f"{what}: p99 at half saturation {half['p99_ms']:.2f} ms = "
             f"{half['p99_ms'] / single['p50_ms']:.1f}x the single-request latency "

@@ -29,16 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import httpx  # noqa: E402
-from service_load import (  # noqa: E402
-    RUNS,
-    _cpu_text,
-    _with_cpu,
-    load_level,
-    open_loop,
-    query_png,
-    request_bytes,
-    serve,
-)
+from service_load import RUNS, latency_ratio, print_rows, query_png, serve  # noqa: E402
 
 # In the server process: start the worker, wait until it is ready, then run snca-serve with
 # ServiceState.classify sending jobs to the worker.
@@ -144,27 +135,9 @@ def measure(name: str, proc, port: int, a, pool) -> tuple[dict, int]:
     answer = httpx.post(
         f"http://127.0.0.1:{port}/classify", files={"image": ("q.png", png, "image/png")}
     ).json()
-    req = request_bytes("127.0.0.1", port, png)
-    host = "127.0.0.1"
-    single = _with_cpu(pool, proc.pid, load_level, (host, port, req, 1, a.seconds))
-    sat = _with_cpu(pool, proc.pid, load_level, (host, port, req, 64, a.seconds))
-    rows = [("c=1", single), ("c=64", sat)]
-    rates = [("half of saturation", sat["rps"] / 2)] + [(f"{r:.0f}/s", r) for r in a.rates]
-    for label, rate in rates:
-        try:
-            rows.append(
-                (label, _with_cpu(pool, proc.pid, open_loop, (host, port, req, rate, a.seconds)))
-            )
-        except RuntimeError as e:
-            print(f"  {name} {label}: overloaded ({e})", flush=True)
-    for label, r in rows:
-        print(
-            f"  {name} {label}: {r['rps']:.0f}/s p50 {r['p50_ms']:.2f} ms p99 {r['p99_ms']:.2f} ms "
-            f"= {r['p99_ms'] / single['p50_ms']:.1f}x single, errors {r['errors']}; "
-            f"{_cpu_text(r)}",
-            flush=True,
-        )
-    return answer, sum(r["errors"] for _, r in rows)
+    rows = latency_ratio(pool, proc.pid, port, png, a.seconds, rates=a.rates)
+    print_rows(f"  {name} ", rows)
+    return answer, sum(r.get("errors", 0) for _, r in rows)
 
 
 def main() -> None:

@@ -506,6 +506,61 @@ def serve(
     raise RuntimeError("server did not start")
 
 
+def start_app(code: str, port: int, *args) -> subprocess.Popen:
+    """A server from `python -c code port *args` (an ASGI app on uvicorn, say), once anything
+    answers HTTP on `port`."""
+    import httpx
+
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, str(port), *map(str, args)], stderr=subprocess.DEVNULL
+    )
+    for _ in range(100):
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+            return p
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    p.kill()
+    raise RuntimeError(f"no server answered on port {port}")
+
+
+def latency_ratio(
+    pool, pid: int, port: int, png: bytes, seconds: float, fractions=(0.5,), rates=()
+) -> list[tuple[str, dict]]:
+    """The p99 target's measurement against one server: the closed loop at c = 1 and c = 64,
+    then the open loop at `fractions` of the c = 64 rate and at the fixed `rates`, each with
+    the server's CPU per request. (label, result) rows; a rate the server could not keep up
+    with gives {"overloaded": why}."""
+    req = request_bytes("127.0.0.1", port, png)
+    host = "127.0.0.1"
+    single = _with_cpu(pool, pid, load_level, (host, port, req, 1, seconds))
+    sat = _with_cpu(pool, pid, load_level, (host, port, req, 64, seconds))
+    rows = [("c=1", single), ("c=64", sat)]
+    opened = [(f"{f:.0%} of saturation", sat["rps"] * f) for f in fractions]
+    for label, rate in [*opened, *((f"{r:.0f}/s", r) for r in rates)]:
+        try:
+            rows.append((label, _with_cpu(pool, pid, open_loop, (host, port, req, rate, seconds))))
+        except RuntimeError as e:  # the client's "not keeping up"
+            rows.append((label, {"overloaded": str(e)}))
+    return rows
+
+
+def print_rows(prefix: str, rows: list[tuple[str, dict]]) -> None:
+    """`latency_ratio`'s rows, one line each, p99 as a multiple of the c = 1 median."""
+    single = rows[0][1]["p50_ms"]
+    for label, r in rows:
+        if "overloaded" in r:
+            print(f"{prefix}{label}: overloaded ({r['overloaded']})", flush=True)
+            continue
+        late = r.get("client_late_p99_ms")
+        print(
+            f"{prefix}{label}: {r['rps']:.0f}/s p50 {r['p50_ms']:.2f} ms p99 {r['p99_ms']:.2f} ms "
+            f"= {r['p99_ms'] / single:.1f}x single, errors {r['errors']}; {_cpu_text(r)}"
+            + ("" if late is None else f"; client late p99 {late:.2f} ms"),
+            flush=True,
+        )
+
+
 def _with_cpu(pool, pid: int, fn, args) -> dict:
     """Run one load level in the client process; add the server's CPU per request, by thread."""
     before = server_cpu(pid)

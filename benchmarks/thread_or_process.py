@@ -18,24 +18,14 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import httpx  # noqa: E402
-from service_load import (  # noqa: E402
-    _cpu_text,
-    _with_cpu,
-    load_level,
-    open_loop,
-    query_png,
-    request_bytes,
-)
+from service_load import _cpu_text, latency_ratio, query_png, start_app  # noqa: E402
 
 APP = r"""
 import asyncio, hashlib, os, queue, struct, sys, threading, time, uvicorn
@@ -120,23 +110,16 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=Fa
 
 
 def measure(mode: str, a, pool) -> dict:
-    args = [a.port, mode, a.pre_us, a.post_us, a.model_us, a.per_image_us]
-    p = subprocess.Popen([sys.executable, "-c", APP, *map(str, args)], stderr=subprocess.DEVNULL)
+    args = [mode, a.pre_us, a.post_us, a.model_us, a.per_image_us]
+    p = start_app(APP, a.port, *args)
     try:
-        for _ in range(100):
-            try:
-                httpx.get(f"http://127.0.0.1:{a.port}/", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        req = request_bytes("127.0.0.1", a.port, query_png())
-        host = "127.0.0.1"
-        single = _with_cpu(pool, p.pid, load_level, (host, a.port, req, 1, a.seconds))
-        sat = _with_cpu(pool, p.pid, load_level, (host, a.port, req, 64, a.seconds))
-        half = _with_cpu(pool, p.pid, open_loop, (host, a.port, req, sat["rps"] / 2, a.seconds))
+        rows = latency_ratio(pool, p.pid, a.port, query_png(), a.seconds)
     finally:
         p.kill()  # the process mode's child ends when its pipe closes
         p.wait()
+    single, sat, half = (r for _, r in rows)
+    if "overloaded" in half:
+        sys.exit(f"model {mode}: overloaded at half saturation")
     ratio = half["p99_ms"] / single["p50_ms"]
     print(
         f"model {mode:7s}: single {single['p50_ms']:.2f} ms, saturation {sat['rps']:.0f}/s, "

@@ -96,5 +96,5 @@ def test_model_process_prototype_answers_like_the_service(base_run):
     )
     assert p.returncode == 0, p.stderr[-2000:]
     for name in ("model thread ", "model process"):
-        assert f"{name} half of saturation" in p.stdout, p.stdout
+        assert f"{name} 50% of saturation" in p.stdout, p.stdout
     assert "overloaded" not in p.stdout
