@@ -4,12 +4,13 @@ process instead of on the model thread, against the service as it is, in one run
     python benchmarks/model_process.py                 # conv4 bench run
     python benchmarks/model_process.py --rates 700,1000,1400
 
-Why: once requests overlap, the model thread spends ~45% of its wall time waiting to take the
-GIL back from the event loop (benchmarks/batch_trace.py, docs/PERFORMANCE.md). Here the event
-loop writes each classify job (id, pixels) to a pipe; a worker process with its own copy of
-the model and gallery (a second ServiceState on the same run and store) reads whatever is
-queued as one batch, runs the service's own `_run_batch`, and writes the results back as JSON;
-the loop reads them in a reader callback. No second Python thread shares the loop's GIL.
+Why: once requests overlap, the model thread spends about a third of its time in a batch
+waiting to take the GIL back from the event loop (benchmarks/batch_trace.py,
+docs/PERFORMANCE.md). Here the event loop writes each classify job (id, pixels) to a pipe; a
+worker process with its own copy of the model and gallery (a second ServiceState on the same
+run, with a store of its own: the benchmark adds nothing to either) reads whatever is queued as
+one batch, runs the service's own `_run_batch`, and writes the results back as JSON; the loop
+reads them in a reader callback. No second Python thread shares the loop's GIL.
 
 What the prototype leaves out, so it is not the service: gallery writes do not reach the
 worker (the benchmark makes none), and only the benchmark's request is supported (no `labels`
