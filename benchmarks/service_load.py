@@ -538,11 +538,17 @@ def latency_ratio(
     rows = [("c=1", single), ("c=64", sat)]
     opened = [(f"{f:.0%} of saturation", sat["rps"] * f) for f in fractions]
     for label, rate in [*opened, *((f"{r:.0f}/s", r) for r in rates)]:
-        try:
-            rows.append((label, _with_cpu(pool, pid, open_loop, (host, port, req, rate, seconds))))
-        except RuntimeError as e:  # the client's "not keeping up"
-            rows.append((label, {"overloaded": str(e)}))
+        rows.append((label, _open_level(pool, pid, (host, port, req, rate, seconds))))
     return rows
+
+
+def _open_level(pool, pid: int, args) -> dict:
+    """One open-loop level with the server's CPU, or {"offered_rps", "overloaded": why} when
+    the server could not keep up (the client's own error)."""
+    try:
+        return _with_cpu(pool, pid, open_loop, args)
+    except RuntimeError as e:
+        return {"offered_rps": args[3], "overloaded": str(e)}
 
 
 def print_rows(prefix: str, rows: list[tuple[str, dict]]) -> None:
@@ -687,18 +693,14 @@ def main() -> None:
                     half = opened[0.5]
                     fixed = []
                     for rate in rates:
-                        try:
-                            r = _with_cpu(
-                                pool,
-                                proc.pid,
-                                open_loop,
-                                ("127.0.0.1", a.port, req, rate, a.seconds),
-                            )
-                        except RuntimeError as e:  # the client's "not keeping up"
-                            fixed.append({"offered_rps": rate, "overloaded": str(e)})
-                            print(f"  open loop at {rate:.0f}/s: overloaded ({e})", flush=True)
-                            continue
+                        r = _open_level(pool, proc.pid, ("127.0.0.1", a.port, req, rate, a.seconds))
                         fixed.append(r)
+                        if "overloaded" in r:
+                            print(
+                                f"  open loop at {rate:.0f}/s: overloaded ({r['overloaded']})",
+                                flush=True,
+                            )
+                            continue
                         print(
                             f"  open loop at {rate:.0f}/s: p50 {r['p50_ms']:.2f} ms  "
                             f"p99 {r['p99_ms']:.2f} ms  errors {r['errors']}  {_cpu_text(r)}",
