@@ -104,6 +104,9 @@ class RawDataset:
     image_size: int
     coarse_of: list[int] | None = None  # class id -> coarse id
     coarse_names: list[str] | None = None
+    # The folder to pass as `data_dir` to find these very files again (absolute); the run
+    # dir's provenance record keeps it so later stages read what training read.
+    root: Path | None = None
 
 
 # ---------------------------------------------------------------------------- Fashion-MNIST
@@ -193,6 +196,7 @@ def load_fashion_mnist(
         image_size=28,
         coarse_of=list(FASHION_COARSE),
         coarse_names=list(FASHION_COARSE_NAMES),
+        root=img_path.parent.resolve(),
     )
 
 
@@ -225,6 +229,7 @@ def load_cifar(
         image_size=32,
         coarse_of=coarse[0],
         coarse_names=coarse[1],
+        root=Path(root).resolve(),
     )
 
 
@@ -245,7 +250,7 @@ IMAGE_EXTENSIONS = (
 
 def load_image_folder(root: Path, split: str, image_size: int, in_channels: int) -> RawDataset:
     """root/<class>/<image> (or root/train/<class>/..., root/test/<class>/...)."""
-    root = Path(root)
+    given = root = Path(root)
     if (root / split).is_dir():
         root = root / split
     elif split != "train":
@@ -271,14 +276,15 @@ def load_image_folder(root: Path, split: str, image_size: int, in_channels: int)
         class_names=classes,
         in_channels=in_channels,
         image_size=image_size,
+        root=given.resolve(),
     )
 
 
 def verify_images(source: FileSource, positions: np.ndarray, progress: bool = True) -> None:
     """Open every image once so an unreadable file fails before training starts."""
-    from tqdm import tqdm
+    from .progress import track
 
-    for p in tqdm(positions, desc="checking images", disable=not progress, leave=False):
+    for p in track(positions, len(positions), "checking images", "img", enabled=progress):
         try:
             with Image.open(source.paths[p]) as im:
                 im.verify()

@@ -7,20 +7,21 @@
         manifest.json    format_version, dim, metric, count, labels, model fingerprint, σ,
                          factory, search_params, source, created_at, sha256 of both files
 
-The index builder writes it; the service opens it with `open_index_dir`, which verifies the
-format version and the checksums and refuses a model whose fingerprint differs.
+The index builder writes it (`IndexManifest`, `write_manifest`); the service opens it with
+`open_index_dir`, which verifies the format version and the checksums and refuses a model whose
+fingerprint differs.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .artifacts import read_json
+from .artifacts import atomic_write_json, read_json
 from .errors import ArtifactError
 
 INDEX_FORMAT_VERSION = 1
@@ -57,18 +58,85 @@ def apply_search_params(index, params: dict[str, Any]) -> None:
 
 
 @dataclass
+class IndexManifest:
+    """manifest.json of an index dir: written by the index builder, read by the service."""
+
+    dim: int
+    count: int  # vectors in index.faiss
+    model_fingerprint: str  # the model whose vectors these are (the service checks it)
+    search_params: dict[str, Any]  # nprobe / efSearch the service must use
+    files: dict[str, dict[str, Any]]  # name -> {sha256, bytes} of index.faiss and the store
+    index_id: str = ""  # random id of this build; a gallery store remembers the one it grew from
+    metric: str = METRIC
+    normalized: bool = True
+    next_id: int | None = None  # first id free for items the service adds
+    labels: dict[str, int] = field(default_factory=dict)  # label -> items
+    class_names: list[str] = field(default_factory=list)
+    temperature: float | None = None  # σ of the model card
+    space: str = "embedding"  # embedding.model.SPACES: the vectors indexed (and served)
+    factory: str = "Flat"
+    source: str = "memory"  # memory bank rows, or re-embedded ("recompute")
+    thumbnails: bool = False  # the store holds a preview of every item
+    dataset: str | None = None
+    run_dir: str | None = None
+    created_at: str = ""
+    build: dict[str, Any] = field(default_factory=dict)  # device, timings, faiss version
+    format_version: int = INDEX_FORMAT_VERSION
+
+    REQUIRED = ("dim", "count", "model_fingerprint", "files", "search_params")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> IndexManifest:
+        """Validate a parsed manifest.json; unknown keys (a newer builder's) are ignored."""
+        if not isinstance(d, dict):
+            raise ArtifactError(f"{where} is not a JSON object")
+        version = d.get("format_version")
+        if version != INDEX_FORMAT_VERSION:
+            raise ArtifactError(
+                f"{where}: index format_version {version!r} is not supported "
+                f"(this version reads {INDEX_FORMAT_VERSION}); rebuild it with snca-build-index"
+            )
+        missing = [k for k in cls.REQUIRED if k not in d]
+        if missing:
+            raise ArtifactError(f"{where} lacks {', '.join(missing)}")
+        known = {f.name for f in fields(cls)}
+        m = cls(**{k: v for k, v in d.items() if k in known})
+        bad = [
+            name
+            for name, ok in (
+                ("dim", isinstance(m.dim, int) and m.dim > 0),
+                ("count", isinstance(m.count, int) and m.count >= 0),
+                ("model_fingerprint", isinstance(m.model_fingerprint, str)),
+                ("search_params", isinstance(m.search_params, dict)),
+                ("files", isinstance(m.files, dict)),
+                ("labels", isinstance(m.labels, dict)),
+            )
+            if not ok
+        ]
+        if bad:
+            raise ArtifactError(f"{where}: invalid {', '.join(bad)}")
+        return m
+
+
+@dataclass
 class IndexDir:
+    """An opened index dir: its manifest and FAISS index; `store` is the gallery store the
+    builder wrote (the trained items), which the service copies to start its own."""
+
     path: Path
-    manifest: dict[str, Any]
+    manifest: IndexManifest
     index: Any  # faiss.Index (IndexIDMap2)
 
     @property
-    def store_path(self) -> Path:
+    def store(self) -> Path:
         return self.path / STORE_FILE
 
     @property
     def dim(self) -> int:
-        return int(self.manifest["dim"])
+        return self.manifest.dim
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """queries (Q, d) float32 unit rows -> similarities (Q, k) float32 descending, ids (Q, k)
@@ -79,30 +147,18 @@ class IndexDir:
         return self.index.search(q, k)
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
+def read_manifest(path: str | Path) -> IndexManifest:
     path = Path(path)
-    manifest = read_json(path / MANIFEST_FILE)
-    if not isinstance(manifest, dict):
-        raise ArtifactError(f"{path / MANIFEST_FILE} is not a JSON object")
-    version = manifest.get("format_version")
-    if version != INDEX_FORMAT_VERSION:
-        raise ArtifactError(
-            f"{path}: index format_version {version!r} is not supported "
-            f"(this version reads {INDEX_FORMAT_VERSION}); rebuild it with snca-build-index"
-        )
-    missing = [
-        k
-        for k in ("dim", "count", "model_fingerprint", "files", "search_params")
-        if k not in manifest
-    ]
-    if missing:
-        raise ArtifactError(f"{path / MANIFEST_FILE} lacks {', '.join(missing)}")
-    return manifest
+    return IndexManifest.from_dict(read_json(path / MANIFEST_FILE), str(path / MANIFEST_FILE))
 
 
-def verify_checksums(path: str | Path, manifest: dict[str, Any]) -> None:
+def write_manifest(path: str | Path, manifest: IndexManifest) -> None:
+    atomic_write_json(Path(path) / MANIFEST_FILE, manifest.to_dict())
+
+
+def verify_checksums(path: str | Path, manifest: IndexManifest) -> None:
     path = Path(path)
-    for name, info in manifest["files"].items():
+    for name, info in manifest.files.items():
         f = path / name
         if not f.is_file():
             raise ArtifactError(f"index dir {path} is missing {name}")
@@ -126,9 +182,9 @@ def open_index_dir(
     if not path.is_dir():
         raise ArtifactError(f"index dir {path} does not exist")
     manifest = read_manifest(path)
-    if expected_fingerprint is not None and manifest["model_fingerprint"] != expected_fingerprint:
+    if expected_fingerprint is not None and manifest.model_fingerprint != expected_fingerprint:
         raise ArtifactError(
-            f"index {path} was built for model {manifest['model_fingerprint'][:19]}..., not for "
+            f"index {path} was built for model {manifest.model_fingerprint[:19]}..., not for "
             f"this model {expected_fingerprint[:19]}...: rebuild the index with this model"
         )
     if verify:
@@ -137,10 +193,10 @@ def open_index_dir(
         index = faiss.read_index(str(path / INDEX_FILE))
     except RuntimeError as e:
         raise ArtifactError(f"cannot read FAISS index {path / INDEX_FILE}: {e}") from None
-    if index.d != manifest["dim"] or index.ntotal != manifest["count"]:
+    if index.d != manifest.dim or index.ntotal != manifest.count:
         raise ArtifactError(
             f"{path / INDEX_FILE} holds {index.ntotal} vectors of dim {index.d}; the manifest "
-            f"says {manifest['count']} of dim {manifest['dim']}"
+            f"says {manifest.count} of dim {manifest.dim}"
         )
-    apply_search_params(index, manifest["search_params"])
+    apply_search_params(index, manifest.search_params)
     return IndexDir(path=path, manifest=manifest, index=index)

@@ -1,13 +1,13 @@
-"""Batched embedding of images with a trained model (eval mode, no grad)."""
+"""Batched embedding of images with a trained model (eval mode, no grad): the one loop that
+training's evaluation, the few-shot protocol and the index builder all use."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 
+import numpy as np
 import torch
-
-from .model import EmbeddingNet
-from .transforms import normalize_batch
+from torch.utils.data import DataLoader, Dataset
 
 
 def autocast_context(device: torch.device, enabled: bool = True):
@@ -18,98 +18,60 @@ def autocast_context(device: torch.device, enabled: bool = True):
     return torch.autocast(device.type, enabled=False)
 
 
+class _Images(Dataset):
+    """Items `positions` of a raw source, through `transform` (picklable for loader workers)."""
+
+    def __init__(self, source, positions: np.ndarray, transform):
+        self.source, self.positions, self.transform = source, positions, transform
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.transform(self.source.get(int(self.positions[i])))
+
+
 @torch.no_grad()
-def embed_batches(
-    model: EmbeddingNet,
-    batches: Iterable,
+def embed_images(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    source,
+    positions,
+    transform,
     device: torch.device,
+    batch_size: int = 512,
+    num_workers: int = 0,
     amp: bool = True,
     progress=None,
 ) -> torch.Tensor:
-    """Embed every batch (a tensor, or a tuple whose first item is the image tensor).
+    """Run `fn` on the images `positions` of `source` (an embedding.datasets source) after
+    `transform` (e.g. the eval transform), `batch_size` at a time.
 
-    Returns (N, d) float32 unit-norm embeddings on `device`, in order.
+    fn: (B, C, H, W) float on `device` -> (B, D): a model (unit embeddings), its `project`
+    (unnormalised), its `features`, or a module of embedding.model.in_space. Modules are put in
+    eval mode for the call and restored after. `progress`: an embedding.progress.Progress.
+    Returns (N, D) float32 on `device`, in the order of `positions`.
     """
-    was_training = model.training
-    model.eval()
+    positions = np.asarray(positions)
+    owner = getattr(fn, "__self__", fn)  # a bound method's module, or the module itself
+    was_training = getattr(owner, "training", None)
+    if was_training is not None:
+        owner.eval()
+    loader = DataLoader(
+        _Images(source, positions, transform),
+        batch_size=batch_size,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+    )
     out = []
     try:
-        for batch in batches:
-            x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        for x in loader:
             with autocast_context(device, amp):
-                out.append(model(x.to(device, non_blocking=True)).float())
+                out.append(fn(x.to(device, non_blocking=True)).float())
             if progress is not None:
                 progress.update(x.shape[0])
     finally:
-        model.train(was_training)
+        if was_training is not None:
+            owner.train(was_training)
     if not out:
-        return torch.empty(0, model.config.embedding_dim, device=device)
+        return torch.empty(0, 0, device=device)
     return torch.cat(out)
-
-
-def optimize_for_cpu(
-    model: EmbeddingNet, example: torch.Tensor, atol: float = 1e-4
-) -> tuple[torch.nn.Module, str]:
-    """A faster CPU module for serving: traced, BatchNorm folded into the convs, oneDNN
-    layouts (torch.jit.optimize_for_inference). conv4 at batch 64 runs ~4x faster on one core
-    than eager mode (docs/PERFORMANCE.md). The result is checked against the eager model on
-    `example` (normalised (B, C, H, W)) at two batch sizes; any failure or a difference above
-    `atol` keeps the eager model. Returns (module, "optimized" | "eager: <why>")."""
-    import warnings
-
-    model.eval()
-    try:
-        with warnings.catch_warnings(), torch.no_grad():
-            # TorchScript is deprecated in favour of torch.compile, which on this kind of CPU
-            # takes ~30 s to start and is not faster for conv4; the pin keeps torch < 2.15.
-            warnings.simplefilter("ignore")
-            opt = torch.jit.optimize_for_inference(torch.jit.trace(model, example))
-            err = max(float((opt(x) - model(x)).abs().max()) for x in (example, example[:1]))
-    except Exception as e:  # any failure means "serve the eager model"
-        return model, f"eager: optimization failed ({type(e).__name__}: {e})"
-    if not err <= atol:
-        return model, f"eager: optimized model differs by {err:.2e}"
-    return opt, "optimized"
-
-
-class NormalizedInput(torch.nn.Module):
-    """uint8 (B, C, H, W) -> net(normalised x): the eval transform's second half inside the
-    module, so that a traced copy serves a whole batch in one call (one release of the GIL
-    instead of one per operation; docs/PERFORMANCE.md)."""
-
-    def __init__(self, net: torch.nn.Module, config):
-        super().__init__()
-        self.net = net
-        self.config = config
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(normalize_batch(x, self.config))
-
-
-def fuse_for_shape(
-    module: torch.nn.Module, example: torch.Tensor, atol: float = 1e-4
-) -> tuple[torch.nn.Module | None, str]:
-    """A copy of `module` compiled by the oneDNN graph fuser (conv + ReLU + pool fused) for
-    `example`'s exact shape. On this machine's CPU conv4's batch of one runs 2.2x faster than
-    the `optimize_for_cpu` module (0.27 vs 0.59 ms) and ResNet-18's 2.6x; the gain fades by
-    batch 8-64, and a fused copy specialises on its first shape, hence one copy per batch size.
-    Checked against `module` on `example`; returns (copy, "fused") or (None, why not)."""
-    import warnings
-
-    module.eval()
-    try:
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")
-            torch.jit.enable_onednn_fusion(True)
-            try:
-                fused = torch.jit.freeze(torch.jit.trace(module, example).eval())
-                for _ in range(3):  # the profiling executor compiles on the first calls
-                    out = fused(example)
-            finally:
-                torch.jit.enable_onednn_fusion(False)
-            err = float((out - module(example)).abs().max())
-    except Exception as e:
-        return None, f"fusion failed ({type(e).__name__}: {e})"
-    if not err <= atol:
-        return None, f"fused copy differs by {err:.2e}"
-    return fused, "fused"

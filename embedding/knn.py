@@ -32,6 +32,8 @@ def weighted_knn_vote(
         )
     if k is not None:
         s, y = s[:, :k], y[:, :k]
+    if s.shape[1] == 0:  # no neighbour at all (an empty gallery): no label takes the query
+        return torch.zeros(s.shape[0], num_classes, dtype=torch.float32, device=s.device)
     valid = y >= 0
     # exp(s/σ) with a max shift: the shift cancels in scores / Σ scores.
     s = s.masked_fill(~valid, float("-inf"))

@@ -18,28 +18,21 @@ from pathlib import Path
 
 import numpy as np
 
-from embedding.artifacts import (
-    MEMORY_BANK,
-    MODEL_CARD,
-    MODEL_WEIGHTS,
-    atomic_write_json,
-    load_memory_bank,
-    load_model,
-    publish_dir,
-    read_json,
-)
+from embedding.artifacts import publish_dir
 from embedding.errors import ArtifactError, SNCAError
 from embedding.gallery import create_store, utc_now
 from embedding.index import (
     INDEX_FILE,
-    INDEX_FORMAT_VERSION,
-    MANIFEST_FILE,
-    METRIC,
     STORE_FILE,
+    IndexManifest,
     apply_search_params,
+    read_manifest,
     sha256_file,
+    write_manifest,
 )
 from embedding.model import SPACES, in_space, space_dim
+from embedding.progress import Progress, track
+from embedding.rundir import RunDir
 
 SOURCES = ("memory", "recompute")
 DEVICES = ("auto", "cpu", "cuda")
@@ -70,6 +63,7 @@ class BuildConfig:
     progress: bool = True
     thumbnails: bool = False  # a preview of every dataset item in the store (the web page)
     space: str = "embedding"  # embedding.model.SPACES: the vectors indexed (and served)
+    reuse: bool = False  # keep `out` when it is already this build (same model and options)
 
 
 @dataclass
@@ -85,121 +79,76 @@ def _say(msg: str) -> None:
 
 # ---------------------------------------------------------------------------- inputs
 def check_run_dir(cfg: BuildConfig) -> None:
-    run = cfg.run_dir
-    if not run.is_dir():
-        raise SNCAError(f"run dir {run} does not exist")
-    needed = [MODEL_CARD, MODEL_WEIGHTS, MEMORY_BANK] + (
-        ["config.json"] if cfg.source == "recompute" else []
-    )
-    missing = [n for n in needed if not (run / n).is_file()]
-    if missing:
-        raise SNCAError(
-            f"{run} is not a complete training run dir: missing {', '.join(missing)} "
-            "(train one with snca-train)"
-        )
+    try:
+        RunDir(cfg.run_dir).require(RunDir.MEMORY)
+    except ArtifactError as e:
+        raise SNCAError(str(e)) from None
 
 
-def recompute_embeddings(cfg: BuildConfig, model, dataset_indices: np.ndarray, log) -> np.ndarray:
-    """Embed the run's training images (by dataset index) with the eval transform."""
-    import torch
-    from torch.utils.data import DataLoader, Dataset
-    from tqdm import tqdm
-
-    from embedding.inference import embed_batches
-    from embedding.transforms import eval_transform
-
-    raw = _train_raw(cfg, model, dataset_indices)
-    mc = model.config
-    tf = eval_transform(mc)
-
-    class _Images(Dataset):
-        def __len__(self):
-            return len(dataset_indices)
-
-        def __getitem__(self, i):
-            return tf(raw.source.get(int(dataset_indices[i])))
-
-    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
-    model = model.to(device)
-    loader = DataLoader(
-        _Images(),
-        batch_size=cfg.batch_size,
-        num_workers=cfg.num_workers,
-        pin_memory=device.type == "cuda",
-    )
-    log(f"re-embedding {len(dataset_indices)} training images of {raw.name} on {device}")
-    with tqdm(
-        total=len(dataset_indices),
-        desc="embedding",
-        unit="img",
-        disable=None if cfg.progress else True,
-        leave=False,
-    ) as bar:
-        emb = embed_batches(model, loader, device, progress=bar)
-    return emb.cpu().numpy().astype(np.float32)
+def _train_raw(cfg: BuildConfig, log):
+    """The run's training split as training read it (re-embedding and thumbnails read it),
+    found through the run dir's dataset provenance record."""
+    try:
+        return RunDir(cfg.run_dir).read_provenance().load_train(cfg.data_dir, log)
+    except ArtifactError as e:
+        raise SNCAError(str(e)) from None
 
 
-def _train_raw(cfg: BuildConfig, model, dataset_indices: np.ndarray):
-    """The run's training split as found on disk (re-embedding and thumbnails read it)."""
-    from embedding.datasets import load_raw
-
-    train_cfg = read_json(cfg.run_dir / "config.json")
-    if not isinstance(train_cfg, dict) or "dataset" not in train_cfg:
-        raise SNCAError(f"{cfg.run_dir / 'config.json'} does not name the training dataset")
-    mc = model.config
-    raw = load_raw(
-        train_cfg["dataset"],
-        "train",
-        cfg.data_dir or train_cfg.get("data_dir"),
-        image_size=mc.image_size,
-        in_channels=mc.in_channels,
-    )
+def _check_indices(raw, dataset_indices: np.ndarray) -> None:
     if len(dataset_indices) and int(dataset_indices.max()) >= len(raw.source):
         raise SNCAError(
             f"the memory bank refers to image {int(dataset_indices.max())} but {raw.name} has "
             f"{len(raw.source)} training images: is --data-dir the dataset this run trained on?"
         )
-    return raw
 
 
-def make_thumbnails(cfg: BuildConfig, model, dataset_indices: np.ndarray, log) -> list:
+def recompute_embeddings(cfg: BuildConfig, model, dataset_indices: np.ndarray, log) -> np.ndarray:
+    """Embed the run's training images (by dataset index) with the eval transform."""
+    from embedding.device import resolve_device
+    from embedding.inference import embed_images
+    from embedding.transforms import eval_transform
+
+    raw = _train_raw(cfg, log)
+    _check_indices(raw, dataset_indices)
+    device = resolve_device("cpu" if cfg.device == "cpu" else "auto")
+    log(f"re-embedding {len(dataset_indices)} training images of {raw.name} on {device}")
+    with Progress(len(dataset_indices), "embedding", "img", enabled=cfg.progress) as bar:
+        emb = embed_images(
+            model.to(device),
+            raw.source,
+            dataset_indices,
+            eval_transform(model.config),
+            device,
+            cfg.batch_size,
+            cfg.num_workers,
+            progress=bar,
+        )
+    return emb.cpu().numpy().astype(np.float32)
+
+
+def make_thumbnails(cfg: BuildConfig, dataset_indices: np.ndarray, log) -> list:
     """A thumbnail (bytes or None) per item, from the training images on disk."""
-    from tqdm import tqdm
-
     from embedding.thumbnails import tensor_thumbnail
 
-    raw = _train_raw(cfg, model, dataset_indices)
+    raw = _train_raw(cfg, log)
+    _check_indices(raw, dataset_indices)
     log(f"thumbnails of {len(dataset_indices)} {raw.name} training images")
-    return [
-        tensor_thumbnail(raw.source.get(int(i)))
-        for i in tqdm(
-            dataset_indices,
-            desc="thumbnails",
-            unit="img",
-            disable=None if cfg.progress else True,
-            leave=False,
-        )
-    ]
+    items = track(dataset_indices, len(dataset_indices), "thumbnails", "img", cfg.progress)
+    return [tensor_thumbnail(raw.source.get(int(i))) for i in items]
 
 
 def load_vectors(cfg: BuildConfig, log=_say) -> tuple[Vectors, object]:
     """(vectors, model) of the run dir, validated."""
-    run = cfg.run_dir
+    run = RunDir(cfg.run_dir)
     try:
-        model = load_model(run)
-        bank, meta = load_memory_bank(run / MEMORY_BANK)
+        model = run.load_model()
+        bank = run.load_memory(expected_fingerprint=model.fingerprint)
     except ArtifactError as e:
         raise SNCAError(str(e)) from None
-    if meta.get("model_fingerprint") != model.fingerprint:
-        raise SNCAError(
-            f"{run / MEMORY_BANK} was written for another model "
-            f"({str(meta.get('model_fingerprint'))[:19]}...) than {run / MODEL_CARD} "
-            f"({model.fingerprint[:19]}...)"
-        )
-    labels = bank["labels"].numpy().astype(np.int64)
-    indices = bank["indices"].numpy().astype(np.int64)
+    labels = bank.labels.numpy().astype(np.int64)
+    indices = bank.indices.numpy().astype(np.int64)
     if cfg.source == "memory":
-        emb = bank["embeddings"].float().numpy()
+        emb = bank.embeddings.numpy()
     else:
         emb = recompute_embeddings(cfg, in_space(model, cfg.space), indices, log)
     vec = validate_vectors(
@@ -251,6 +200,7 @@ def validate_vectors(
 
 # ---------------------------------------------------------------------------- FAISS
 def resolve_device(device: str) -> str:
+    """Where FAISS trains and adds: 'cuda' needs the faiss GPU build and a GPU."""
     import faiss
 
     if device not in DEVICES:
@@ -362,11 +312,7 @@ def make_index(vec: Vectors, cfg: BuildConfig, ids: np.ndarray, log=_say):
                 f"training {cfg.factory!r} failed: {str(e).strip().splitlines()[-1]}"
             ) from None
     train_s = time.perf_counter() - t0
-    from tqdm import tqdm
-
-    with tqdm(
-        total=n, desc="adding", unit="vec", disable=None if cfg.progress else True, leave=False
-    ) as bar:
+    with Progress(n, "adding", "vec", enabled=cfg.progress) as bar:
         for s in range(0, n, ADD_BATCH):
             work.add_with_ids(emb[s : s + ADD_BATCH], ids[s : s + ADD_BATCH])
             bar.update(min(ADD_BATCH, n - s))
@@ -396,8 +342,29 @@ def _remove_stale_stages(out: Path) -> None:
             continue
 
 
-def build(cfg: BuildConfig, log=_say) -> dict:
-    """Build the index dir `cfg.out` from run dir `cfg.run_dir`; return the manifest."""
+def current_build(cfg: BuildConfig) -> IndexManifest | None:
+    """The manifest of `cfg.out` when it already holds what this build would make: an index of
+    the run's model (same fingerprint) with the same factory, source, space, thumbnails and,
+    where given, search parameters. None otherwise (including when it cannot be read)."""
+    try:
+        m = read_manifest(cfg.out)
+        _, fingerprint = RunDir(cfg.run_dir).load_model_card()
+    except (ArtifactError, OSError):
+        return None
+    wanted = {"nprobe": cfg.nprobe, "efSearch": cfg.ef_search}
+    same = (
+        m.model_fingerprint == fingerprint
+        and (m.factory, m.source, m.space, m.thumbnails)
+        == (cfg.factory, cfg.source, cfg.space, cfg.thumbnails)
+        and all(m.search_params.get(k) == v for k, v in wanted.items() if v is not None)
+        and all((Path(cfg.out) / name).is_file() for name in m.files)
+    )
+    return m if same else None
+
+
+def build(cfg: BuildConfig, log=_say) -> IndexManifest:
+    """Build the index dir `cfg.out` from run dir `cfg.run_dir`; return its manifest. With
+    `cfg.reuse`, an `out` that is already this build is kept as it is."""
     import faiss
 
     t_start = time.perf_counter()
@@ -411,7 +378,10 @@ def build(cfg: BuildConfig, log=_say) -> dict:
             f"--space {cfg.space} needs --source recompute"
         )
     out = Path(cfg.out)
-    if out.exists() and not cfg.overwrite:
+    if cfg.reuse and (m := current_build(cfg)) is not None:
+        log(f"index: {out} is already built from this model with these options; kept")
+        return m
+    if out.exists() and not (cfg.overwrite or cfg.reuse):
         raise SNCAError(
             f"--out {out} already exists; pass --overwrite to replace it "
             "(the old index stays until the new one is complete)"
@@ -431,18 +401,13 @@ def build(cfg: BuildConfig, log=_say) -> dict:
     stage.mkdir()
     try:
         faiss.write_index(index, str(stage / INDEX_FILE))
-        d_out = int(index.d)
         names = model.config.class_names
-        train_cfg = (
-            read_json(cfg.run_dir / "config.json")
-            if (cfg.run_dir / "config.json").is_file()
-            else {}
-        )
-        dataset = train_cfg.get("dataset") if isinstance(train_cfg, dict) else None
+        try:
+            dataset = RunDir(cfg.run_dir).read_provenance().dataset
+        except ArtifactError:  # a memory-bank index needs no images; the name is informative
+            dataset = None
         emb_le = vec.embeddings.astype("<f4", copy=False)
-        thumbs = (
-            make_thumbnails(cfg, model, vec.dataset_indices, log) if cfg.thumbnails else [None] * n
-        )
+        thumbs = make_thumbnails(cfg, vec.dataset_indices, log) if cfg.thumbnails else [None] * n
         rows = (
             (
                 int(i),
@@ -455,38 +420,38 @@ def build(cfg: BuildConfig, log=_say) -> dict:
             for i, y, di, th in zip(ids, vec.label_ids, vec.dataset_indices, thumbs, strict=True)
         )
         index_id = uuid.uuid4().hex
-        create_store(
-            stage / STORE_FILE,
-            rows,
-            {"model_fingerprint": model.fingerprint, "index_id": index_id, "dim": str(d_out)},
-        )
-        counts = np.bincount(vec.label_ids, minlength=len(names))
-        manifest = {
-            "format_version": INDEX_FORMAT_VERSION,
-            "index_id": index_id,
-            "dim": int(index.d),
-            "metric": METRIC,
-            "normalized": True,
-            "count": int(index.ntotal),
-            "next_id": n,
-            "labels": {names[c]: int(counts[c]) for c in range(len(names)) if counts[c]},
-            "class_names": names,
+        store_meta = {
             "model_fingerprint": model.fingerprint,
-            "temperature": model.config.temperature,
+            "index_id": index_id,
+            "dim": str(int(index.d)),
             "space": cfg.space,
-            "factory": cfg.factory,
-            "search_params": params,
-            "source": cfg.source,
-            "dataset": dataset,
-            "run_dir": str(cfg.run_dir),
-            "created_at": utc_now(),
-            "build": {**info, "seconds": time.perf_counter() - t_start, "faiss": faiss.__version__},
-            "files": {
+        }
+        create_store(stage / STORE_FILE, rows, store_meta)
+        counts = np.bincount(vec.label_ids, minlength=len(names))
+        manifest = IndexManifest(
+            index_id=index_id,
+            dim=int(index.d),
+            count=int(index.ntotal),
+            next_id=n,
+            labels={names[c]: int(counts[c]) for c in range(len(names)) if counts[c]},
+            class_names=names,
+            model_fingerprint=model.fingerprint,
+            temperature=model.config.temperature,
+            space=cfg.space,
+            factory=cfg.factory,
+            search_params=params,
+            source=cfg.source,
+            thumbnails=cfg.thumbnails,
+            dataset=dataset,
+            run_dir=str(cfg.run_dir),
+            created_at=utc_now(),
+            build={**info, "seconds": time.perf_counter() - t_start, "faiss": faiss.__version__},
+            files={
                 name: {"sha256": sha256_file(stage / name), "bytes": (stage / name).stat().st_size}
                 for name in (INDEX_FILE, STORE_FILE)
             },
-        }
-        atomic_write_json(stage / MANIFEST_FILE, manifest)
+        )
+        write_manifest(stage, manifest)
         publish_dir(stage, out)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from embedding.cliutil import positive_int
@@ -83,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size", type=positive_int, default=512, help="recompute: images per forward pass"
     )
     p.add_argument("--num-workers", type=int, default=0, help="recompute: data-loader workers")
-    p.add_argument("--data-dir", help="recompute: dataset location, if not where training found it")
+    p.add_argument(
+        "--data-dir",
+        help="re-embedding and thumbnails: the training images' folder, if not where training "
+        "read them (recorded in the run dir's dataset.json)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the training sample")
     p.add_argument(
         "--thumbnails",
@@ -97,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace an existing --out (kept until the new index is complete)",
     )
     p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep --out when it already holds an index of this run's model built with the "
+        "same factory, source, space, thumbnails and search parameters; build (replacing "
+        "it) otherwise. `make run` uses it to start again in seconds",
+    )
+    p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -108,24 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     keep_freed_memory()  # re-embedding allocates the same large batches over and over
+    given = {f.name: getattr(args, f.name) for f in fields(BuildConfig) if hasattr(args, f.name)}
     cfg = BuildConfig(
-        run_dir=args.run_dir,
-        out=args.out or args.run_dir / "index",
-        source=args.source or ("memory" if args.space == "embedding" else "recompute"),
-        space=args.space,
-        factory=args.factory,
-        nprobe=args.nprobe,
-        ef_search=args.ef_search,
-        ef_construction=args.ef_construction,
-        device=args.device,
-        overwrite=args.overwrite,
-        batch_size=args.batch_size,
-        num_workers=max(0, args.num_workers),
-        train_sample=args.train_sample,
-        data_dir=args.data_dir,
-        seed=args.seed,
-        progress=args.progress,
-        thumbnails=args.thumbnails,
+        **{
+            **given,
+            "out": args.out or args.run_dir / "index",
+            "source": args.source or ("memory" if args.space == "embedding" else "recompute"),
+            "num_workers": max(0, args.num_workers),
+        }
     )
     try:
         m = build(cfg)
@@ -138,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
-    params = ", ".join(f"{k}={v}" for k, v in m["search_params"].items()) or "exact"
+    params = ", ".join(f"{k}={v}" for k, v in m.search_params.items()) or "exact"
     print(
-        f"index: {cfg.out} — {m['count']} vectors (d={m['dim']}, {m['source']}), "
-        f"{len(m['labels'])} labels, {m['factory']} ({params}), built on {m['build']['device']} "
-        f"in {m['build']['seconds']:.1f}s"
+        f"index: {cfg.out} — {m.count} vectors (d={m.dim}, {m.source}), "
+        f"{len(m.labels)} labels, {m.factory} ({params}), built on {m.build.get('device')} "
+        f"in {m.build.get('seconds', 0):.1f}s"
     )
     return 0
 

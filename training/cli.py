@@ -182,14 +182,14 @@ def _merge_for_resume(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     """On --resume the saved config wins; only RESUME_MAY_CHANGE options may differ."""
     from pathlib import Path
 
-    from embedding.artifacts import read_json
+    from embedding.rundir import RunDir
 
     from .rundir import staging_path
 
     out = Path(cfg.out)
-    for d in (staging_path(out), out):
-        if (d / "config.json").is_file():
-            saved = read_json(d / "config.json")
+    for d in (RunDir(staging_path(out)), RunDir(out)):
+        if d.config.is_file():
+            saved = d.read_config()
             break
     else:
         raise SNCAError(f"--resume: no run to resume in {staging_path(out)} or {out}")
@@ -229,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     try:
         cfg, resume, overwrite = resolve_config(args)
-        from .trainer import resolve_device, train
+        from embedding.device import resolve_device
+
+        from .trainer import train
 
         device = resolve_device(cfg.device)
         dist = init_distributed(device.type)

@@ -9,13 +9,13 @@ from typing import Any
 
 from embedding.config import ARCHS, strict_from_dict
 from embedding.datasets import DATASETS
+from embedding.device import DEVICES
 from embedding.errors import SNCAError
 
 from .memory import MOMENTUM_SCHEDULES
 
 LOSSES = ("nca", "softmax")
 LR_SCHEDULES = ("step", "cosine")
-DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass

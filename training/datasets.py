@@ -1,6 +1,8 @@
 """Training data: class filters, the coarse grouping, a stratified subset and a validation split
-carved from the training set (the test split is never used for tuning), and a Dataset yielding
-(image, label, index). The raw readers live in embedding/datasets.py.
+carved from the training set (the test split is never used for tuning), a Dataset yielding
+(image, label, index), a run's data (`build_data`) and the eval-transform loaders and embedding
+of a split that training, evaluation and the few-shot protocol share. The raw readers live in
+embedding/datasets.py.
 """
 
 from __future__ import annotations
@@ -10,10 +12,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-from embedding.datasets import RawDataset
+from embedding.config import ModelConfig
+from embedding.datasets import STATS, FileSource, RawDataset, load_raw, verify_images
 from embedding.errors import DataError
+from embedding.inference import embed_images
+from embedding.transforms import eval_transform
+
+from .config import TrainConfig
+from .distributed import DistEnv
 
 
 # ---------------------------------------------------------------------------- selection
@@ -130,3 +138,75 @@ class IndexedDataset(Dataset):
     def __getitem__(self, i: int):
         img = self.split.raw.source.get(int(self.split.positions[i]))
         return self.transform(img), int(self.split.labels[i]), i
+
+
+# ---------------------------------------------------------------------------- a run's data
+@dataclass
+class Data:
+    """A run's training and validation splits and the model config they imply."""
+
+    train: Split
+    val: Split | None
+    model_cfg: ModelConfig
+
+
+def build_data(cfg: TrainConfig, dist: DistEnv | None = None) -> Data:
+    """The splits of `cfg` (dataset, class filter, coarse labels, subset, validation carved from
+    the training set) and the ModelConfig (image size, channels, normalisation) they imply."""
+    raw = load_raw(cfg.dataset, "train", cfg.data_dir, cfg.image_size, cfg.in_channels)
+    classes = parse_classes(cfg.classes, raw.class_names)
+    split = select(raw, classes, cfg.coarse)
+    train, val = carve(split, cfg.val_size, cfg.subset, cfg.seed)
+    if isinstance(raw.source, FileSource) and (dist is None or dist.is_main):
+        keep = train.positions if val is None else np.concatenate([train.positions, val.positions])
+        verify_images(raw.source, keep, progress=cfg.progress)
+    mean, std = STATS[cfg.dataset]
+    if raw.in_channels != len(mean):  # e.g. greyscale ImageFolder: average the RGB stats
+        mean, std = (
+            (float(np.mean(mean)),) * raw.in_channels,
+            (float(np.mean(std)),) * raw.in_channels,
+        )
+    model_cfg = ModelConfig(
+        arch=cfg.arch,
+        in_channels=raw.in_channels,
+        image_size=raw.image_size,
+        mean=mean,
+        std=std,
+        embedding_dim=cfg.embedding_dim,
+        temperature=cfg.temperature,
+        class_names=train.class_names,
+        small_stem=cfg.small_stem,
+    )
+    return Data(train, val, model_cfg)
+
+
+def eval_loader(split: Split, model_cfg: ModelConfig, batch_size: int, num_workers: int, pin: bool):
+    """(image, label, index) batches of `split` through the eval transform, in order."""
+    ds = IndexedDataset(split, eval_transform(model_cfg))
+    return DataLoader(
+        ds, batch_size=batch_size, shuffle=False, num_workers=num_workers, pin_memory=pin
+    )
+
+
+def embed_split(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    split: Split,
+    model_cfg: ModelConfig,
+    device: torch.device | str = "cpu",
+    batch_size: int = 512,
+    num_workers: int = 0,
+    amp: bool = True,
+) -> torch.Tensor:
+    """`fn` (a model, its `project` or `features`) over the images of `split` with the eval
+    transform: (n, D) float32 on `device` (embedding.inference.embed_images)."""
+    device = torch.device(device)
+    return embed_images(
+        fn,
+        split.raw.source,
+        split.positions,
+        eval_transform(model_cfg),
+        device,
+        batch_size,
+        num_workers,
+        amp,
+    )

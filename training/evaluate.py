@@ -27,33 +27,31 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from embedding import load_memory_bank, load_model
-from embedding.artifacts import read_json, read_safetensors
+from embedding.artifacts import read_safetensors
 from embedding.cliutil import positive_int
 from embedding.datasets import load_raw
 from embedding.errors import SNCAError
 from embedding.knn import knn_evaluate, knn_search, weighted_knn_vote
+from embedding.rundir import RunDir
 
 from .config import TrainConfig
-from .datasets import parse_classes, select
+from .datasets import build_data, embed_split, parse_classes, select
 from .protocols import linear_probe, pca_fit, pca_project
 
 
 def run_config(run: Path) -> TrainConfig:
-    d = read_json(run / "config.json")
+    """The TrainConfig a run dir was trained with."""
+    d = RunDir(run).read_config()
     known = TrainConfig.fields()
     return TrainConfig.from_dict({k: v for k, v in d.items() if k in known})
 
 
 @torch.no_grad()
-def _features(model, split, batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+def _features(model, split) -> tuple[torch.Tensor, torch.Tensor]:
     """(penultimate features (n, D), unnormalised projections (n, d)) of a split, eval transform."""
-    from .trainer import eval_loader
-
-    feats = []
-    for x, _, _ in eval_loader(split, model.config, batch, 0, False):
-        feats.append(model.features(x).float())
-    f = torch.cat(feats) if feats else torch.empty(0, model.feature_dim)
+    f = embed_split(model.features, split, model.config)
+    if f.numel() == 0:
+        f = torch.empty(0, model.feature_dim)
     return f, model.embed(f).float()
 
 
@@ -79,11 +77,10 @@ def per_class_top1(
 
 
 def closed_set(run: Path, split: str = "val", ks=(1, 30), pca_dim: int = 128) -> dict:
-    from .trainer import build_data
-
+    rd = RunDir(run)
     cfg = run_config(run)
     data = build_data(cfg)
-    model = load_model(run).eval()
+    model = rd.load_model().eval()
     mc = model.config
     if split == "val":
         if data.val is None:
@@ -92,7 +89,8 @@ def closed_set(run: Path, split: str = "val", ks=(1, 30), pca_dim: int = 128) ->
     else:
         raw = load_raw(cfg.dataset, "test", cfg.data_dir, mc.image_size, mc.in_channels)
         queries = select(raw, parse_classes(cfg.classes, raw.class_names), cfg.coarse)
-    bank, _ = load_memory_bank(run / "memory.safetensors")
+    mem = rd.load_memory()
+    bank = {"embeddings": mem.embeddings, "labels": mem.labels, "fine_labels": mem.fine_labels}
     c, sigma = len(mc.class_names), mc.temperature
     qf, qz = _features(model, queries)
     tf, tz = _features(model, data.train)
@@ -111,7 +109,7 @@ def closed_set(run: Path, split: str = "val", ks=(1, 30), pca_dim: int = 128) ->
     out["pca_features"] = knn_evaluate(
         pca_project(qf, mean, comp), qy, pca_project(tf, mean, comp), ty, c, sigma, ks
     )
-    head = run / "classifier.safetensors"
+    head = rd.classifier
     if head.is_file():  # softmax baseline: its classifier reads the unnormalised projection
         w, _ = read_safetensors(head)
         logits = qz @ w["weight"].T + w["bias"]  # (n, C)

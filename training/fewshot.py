@@ -2,7 +2,7 @@
 
 A model trained on base classes; its gallery (memory bank, or re-embedded training images) holds
 every base training item; K images of each held-out ("novel") class are added; queries from
-base and novel classes are classified by each voting rule of embedding.voting. Reports top-1
+base and novel classes are classified by each voting rule of embedding.votes. Reports top-1
 on novel queries, on base queries, and their harmonic mean, mean ± 95% CI over draws of shots.
 
     python -m training.fewshot runs/base7 --shots 1,5 --draws 5            # validation split
@@ -28,18 +28,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from embedding import load_memory_bank, load_model
-from embedding.artifacts import read_json
 from embedding.cliutil import positive_int
 from embedding.datasets import load_raw
 from embedding.errors import SNCAError
-from embedding.inference import embed_batches
-from embedding.knn import knn_search
+from embedding.inference import embed_images
 from embedding.model import SPACES, in_space
+from embedding.rundir import RunDir
 from embedding.transforms import eval_transform
-from embedding.voting import VOTES, kde_probs, knn_probs, prototype_probs
+from embedding.votes import VOTES, GalleryView, get_rule
 
-from .config import TrainConfig
+from .datasets import build_data
+from .evaluate import run_config
 from .protocols import episode_accuracy, mean_ci95, sample_episodes
 
 
@@ -58,14 +57,11 @@ class Pools:
     temperature: float
 
 
-def _embed(model, raw, positions, batch=1024):
-    """`model`: an EmbeddingNet or embedding.model.in_space(...) of one (same `config`)."""
-    tf = eval_transform(model.config)
-    out = []
-    for s in range(0, len(positions), batch):
-        x = torch.stack([tf(raw.source.get(int(p))) for p in positions[s : s + batch]])
-        out.append(embed_batches(model, [x], torch.device("cpu")))
-    return torch.cat(out) if out else torch.empty(0, model.config.embedding_dim)
+def embed_positions(model, raw, positions) -> torch.Tensor:
+    """`model`: an EmbeddingNet or embedding.model.in_space(...) of one (same `config`);
+    the images `positions` of `raw` with the eval transform -> (n, D) on the CPU."""
+    cpu = torch.device("cpu")
+    return embed_images(model, raw.source, positions, eval_transform(model.config), cpu, 1024)
 
 
 def load_pools(
@@ -73,14 +69,11 @@ def load_pools(
 ) -> Pools:
     """`space` (embedding.model.SPACES): the vectors compared, as index_builder --space builds
     them; anything but the NCA embedding needs the re-embedded gallery."""
-    from .trainer import build_data
-
     if space != "embedding" and gallery == "memory":
         raise SNCAError(f"--space {space} needs --gallery recompute (the memory bank is NCA)")
-    model = in_space(load_model(run), space)
-    cfg_dict = read_json(run / "config.json")
-    known = TrainConfig.fields()
-    cfg = TrainConfig.from_dict({k: v for k, v in cfg_dict.items() if k in known})
+    rd = RunDir(run)
+    model = in_space(rd.load_model(), space)
+    cfg = run_config(run)
     if cfg.coarse:
         raise SNCAError("generalized few-shot needs a run trained on fine labels (not --coarse)")
     data = build_data(cfg)
@@ -93,30 +86,35 @@ def load_pools(
             f"novel classes {novel} must be non-empty and disjoint from the base {base_ids}"
         )
     nb, c = len(base_ids), len(base_ids) + len(novel)
-    bank, _ = load_memory_bank(run / "memory.safetensors")
-    g = bank["embeddings"] if gallery == "memory" else _embed(model, raw, bank["indices"].numpy())
+    bank = rd.load_memory()
+    g = (
+        bank.embeddings
+        if gallery == "memory"
+        else embed_positions(model, raw, bank.indices.numpy())
+    )
     novel_train = np.nonzero(np.isin(raw.targets, novel))[0]
     to_novel = {cls: nb + i for i, cls in enumerate(novel)}
     shot_y = torch.tensor([to_novel[int(t)] for t in raw.targets[novel_train]])
-    shot_pool = _embed(model, raw, novel_train)
+    shot_pool = embed_positions(model, raw, novel_train)
     if split == "val":
         if data.val is None:
             raise SNCAError(f"{run} has no validation split (trained with --val-size 0)")
-        base_q, base_y = _embed(model, raw, data.val.positions), torch.from_numpy(data.val.labels)
+        base_q = embed_positions(model, raw, data.val.positions)
+        base_y = torch.from_numpy(data.val.labels)
         novel_q = novel_y = None
     else:
         test = load_raw(
             cfg.dataset, "test", cfg.data_dir, data.model_cfg.image_size, data.model_cfg.in_channels
         )
         bpos = np.nonzero(np.isin(test.targets, base_ids))[0]
-        base_q = _embed(model, test, bpos)
+        base_q = embed_positions(model, test, bpos)
         base_y = torch.tensor([base_ids.index(int(t)) for t in test.targets[bpos]])
         npos = np.nonzero(np.isin(test.targets, novel))[0]
-        novel_q = _embed(model, test, npos)
+        novel_q = embed_positions(model, test, npos)
         novel_y = torch.tensor([to_novel[int(t)] for t in test.targets[npos]])
     return Pools(
         g,
-        bank["labels"],
+        bank.labels,
         base_q,
         base_y,
         shot_pool,
@@ -132,19 +130,12 @@ def load_pools(
 def predict(
     rule: str, q: torch.Tensor, g: torch.Tensor, y: torch.Tensor, c: int, sigma: float, k: int
 ) -> torch.Tensor:
-    """Top-1 label of each query under `rule` (the service's functions)."""
-    if rule == "knn":
-        sims, idx = knn_search(q, g, k)
-        return knn_probs(sims, y[idx], c, sigma).argmax(1)
-    if rule == "prototype":
-        sums = torch.zeros(c, g.shape[1]).index_add_(0, y, g)
-        return prototype_probs(q, sums, torch.bincount(y, minlength=c), sigma).argmax(1)
-    if rule == "kde":
-        out = []
-        for s in range(0, q.shape[0], 1024):  # (1024, N) similarity blocks
-            out.append(kde_probs(q[s : s + 1024] @ g.T, y, c, sigma).argmax(1))
-        return torch.cat(out)
-    raise ValueError(rule)
+    """Top-1 label of each query under `rule` (the service's rule classes, exact search)."""
+    vote, view = get_rule(rule), GalleryView.of(g, y, c, sigma)
+    out = []
+    for s in range(0, q.shape[0], 1024):  # (1024, N) similarity blocks
+        out.append(vote.probs(q[s : s + 1024], view, k).argmax(1))
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
 
 
 def evaluate(

@@ -1,4 +1,4 @@
-"""The run dir appears complete or not at all.
+"""The run dir (embedding/rundir.py names its files) appears complete or not at all.
 
 A run trains in `<out>.partial/` (checkpoints, metrics) and is renamed to `<out>` only when
 every artifact is written and fsynced. An interrupted run leaves `<out>.partial/` for --resume.
@@ -11,10 +11,11 @@ from pathlib import Path
 
 from embedding.artifacts import publish_dir
 from embedding.errors import SNCAError
+from embedding.rundir import RunDir
 
-# One file, written atomically: tensors + the JSON state in its metadata, so a kill can never
-# leave weights of one epoch beside the bookkeeping of another.
-CHECKPOINT = "checkpoint.safetensors"
+# The checkpoint is one file, written atomically: tensors + the JSON state in its metadata, so
+# a kill can never leave weights of one epoch beside the bookkeeping of another.
+CHECKPOINT = RunDir.CHECKPOINT
 
 
 def staging_path(out: Path) -> Path:

@@ -28,63 +28,21 @@ from embedding.artifacts import (
     write_safetensors,
 )
 from embedding.config import ModelConfig
-from embedding.datasets import STATS, FileSource, load_raw, verify_images
 from embedding.errors import SNCAError
-from embedding.inference import autocast_context, embed_batches
+from embedding.inference import autocast_context
 from embedding.knn import knn_evaluate
 from embedding.model import EmbeddingNet
+from embedding.progress import Progress
+from embedding.rundir import DatasetProvenance, RunDir
 from embedding.transforms import eval_transform, train_transform
 
 from . import rundir
 from .config import TrainConfig
-from .datasets import IndexedDataset, Split, carve, parse_classes, select
+from .datasets import Data, IndexedDataset, build_data, embed_split
 from .distributed import DistEnv, GlobalBatchSampler
 from .memory import MemoryBank, MomentumSchedule
 
 SYNC_EVERY = 25  # steps between host reads of the loss (progress bar, divergence check)
-
-
-# ---------------------------------------------------------------------------- data
-@dataclass
-class Data:
-    train: Split
-    val: Split | None
-    model_cfg: ModelConfig
-
-
-def build_data(cfg: TrainConfig, dist: DistEnv | None = None) -> Data:
-    raw = load_raw(cfg.dataset, "train", cfg.data_dir, cfg.image_size, cfg.in_channels)
-    classes = parse_classes(cfg.classes, raw.class_names)
-    split = select(raw, classes, cfg.coarse)
-    train, val = carve(split, cfg.val_size, cfg.subset, cfg.seed)
-    if isinstance(raw.source, FileSource) and (dist is None or dist.is_main):
-        keep = train.positions if val is None else np.concatenate([train.positions, val.positions])
-        verify_images(raw.source, keep, progress=cfg.progress)
-    mean, std = STATS[cfg.dataset]
-    if raw.in_channels != len(mean):  # e.g. greyscale ImageFolder: average the RGB stats
-        mean, std = (
-            (float(np.mean(mean)),) * raw.in_channels,
-            (float(np.mean(std)),) * raw.in_channels,
-        )
-    model_cfg = ModelConfig(
-        arch=cfg.arch,
-        in_channels=raw.in_channels,
-        image_size=raw.image_size,
-        mean=mean,
-        std=std,
-        embedding_dim=cfg.embedding_dim,
-        temperature=cfg.temperature,
-        class_names=train.class_names,
-        small_stem=cfg.small_stem,
-    )
-    return Data(train, val, model_cfg)
-
-
-def eval_loader(split: Split, model_cfg: ModelConfig, batch_size: int, num_workers: int, pin: bool):
-    ds = IndexedDataset(split, eval_transform(model_cfg))
-    return DataLoader(
-        ds, batch_size=batch_size, shuffle=False, num_workers=num_workers, pin_memory=pin
-    )
 
 
 # ---------------------------------------------------------------------------- model
@@ -186,30 +144,18 @@ def evaluate(
     with `recompute`, against the training images re-embedded with the eval transform."""
     if data.val is None:
         return {}
-    pin = device.type == "cuda"
-    loader = eval_loader(data.val, data.model_cfg, 512, cfg.num_workers, pin)
-    was_training = net.training
-    net.eval()
-    embs, logits = [], []
-    for x, _, _ in loader:
-        with autocast_context(device, cfg.amp):
-            z = net.project(x.to(device, non_blocking=True))  # (b, d)
-            if head is not None:
-                logits.append(head(z).float())
-        embs.append(F.normalize(z.float(), dim=1))
-    net.train(was_training)
-    val_emb = torch.cat(embs)
+    mc, w = data.model_cfg, cfg.num_workers
+    z = embed_split(net.project, data.val, mc, device, 512, w, cfg.amp)  # (n, d) unnormalised
+    val_emb = F.normalize(z, dim=1)
     val_y = torch.from_numpy(data.val.labels).to(device)
-    c, t, ks = data.model_cfg.num_classes, data.model_cfg.temperature, tuple(cfg.knn_k)
+    c, t, ks = mc.num_classes, mc.temperature, tuple(cfg.knn_k)
     knn = knn_evaluate(val_emb, val_y, bank.embeddings, bank.labels, c, t, ks)
     res = {f"val_{k}": v for k, v in knn.items()}
-    if logits:
-        res["val_softmax_top1"] = (
-            100.0 * (torch.cat(logits).argmax(1) == val_y).float().mean().item()
-        )
+    if head is not None:  # the softmax baseline's classifier reads the projection
+        logits = head(z).float()
+        res["val_softmax_top1"] = 100.0 * (logits.argmax(1) == val_y).float().mean().item()
     if recompute:
-        tr_loader = eval_loader(data.train, data.model_cfg, 512, cfg.num_workers, pin)
-        gallery = embed_batches(net, tr_loader, device, cfg.amp)
+        gallery = embed_split(net, data.train, mc, device, 512, w, cfg.amp)
         rec = knn_evaluate(val_emb, val_y, gallery, bank.labels, c, t, ks)
         res.update({f"val_recompute_{k}": v for k, v in rec.items()})
     return res
@@ -237,16 +183,16 @@ def save_checkpoint(
     if torch.cuda.is_available() and any(p.is_cuda for p in module.parameters()):
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     state = dict(state, optimizer=opt_meta, scaler=scaler.state_dict() if scaler else None)
-    write_safetensors(stage / rundir.CHECKPOINT, tensors, {"state": json.dumps(state)})
+    write_safetensors(RunDir(stage).checkpoint, tensors, {"state": json.dumps(state)})
 
 
 def load_checkpoint(stage: Path, module: TrainModule, bank: MemoryBank, opt, scaler) -> dict:
-    tensors, meta = read_safetensors(stage / rundir.CHECKPOINT)
+    tensors, meta = read_safetensors(RunDir(stage).checkpoint)
     try:
         state = json.loads(meta["state"])
     except (KeyError, json.JSONDecodeError):
         raise SNCAError(
-            f"{stage / rundir.CHECKPOINT} has no training state; cannot resume"
+            f"{RunDir(stage).checkpoint} has no training state; cannot resume"
         ) from None
     dev = next(module.parameters()).device
     try:
@@ -320,14 +266,6 @@ class RunResult:
     summary: dict = field(default_factory=dict)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SNCAError("--device cuda: no CUDA device is available (use --device auto or cpu)")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def train(
     cfg: TrainConfig, dist: DistEnv, device: torch.device, resume: bool, overwrite: bool, log=None
 ) -> RunResult:
@@ -343,161 +281,188 @@ def train(
     if dist.is_main:
         stage, resuming, created = rundir.prepare(Path(cfg.out), resume, overwrite)
     stage, resuming = dist.broadcast_object((stage, resuming))
-    progress = {"checkpointed": False}
+    trainer = None
     try:
-        return _train(cfg, dist, device, stage, resuming, log, progress)
+        trainer = Trainer(cfg, dist, device, stage, resuming, log)
+        return trainer.run()
     except BaseException:
         # A staging dir this call made, without a checkpoint of this call, has nothing to
         # resume: remove it rather than leave a stray OUT.partial behind.
-        if created and not progress["checkpointed"]:
+        if created and not (trainer is not None and trainer.checkpointed):
             rundir.discard(stage)
         raise
 
 
-def _train(cfg, dist, device, stage, resuming, log, progress) -> RunResult:
-    from tqdm import tqdm
+class Trainer:
+    """One training run in the staging dir, in steps: set-up (here), `train_epoch`,
+    `end_epoch` (evaluation, checkpoint, metrics), `export` (model, memory bank, summary)."""
 
-    out = Path(cfg.out)
-    torch.manual_seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        dist: DistEnv,
+        device: torch.device,
+        stage: Path,
+        resuming: bool,
+        log,
+    ):
+        self.cfg, self.dist, self.device, self.log = cfg, dist, device, log
+        self.run_dir = RunDir(stage)
+        self.checkpointed = False  # a checkpoint of this run exists: the stage is worth keeping
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
 
-    data = build_data(cfg, dist)
-    n_train = len(data.train)
-    try:
-        sampler = GlobalBatchSampler(n_train, cfg.batch_size, dist.rank, dist.world_size, cfg.seed)
-    except ValueError as e:
-        raise SNCAError(f"{e}; lower --batch-size") from None
-    pin = device.type == "cuda"
-    tf = train_transform(data.model_cfg) if cfg.augment else eval_transform(data.model_cfg)
-    loader = DataLoader(
-        IndexedDataset(data.train, tf),
-        batch_sampler=sampler,
-        num_workers=cfg.num_workers,
-        pin_memory=pin,
-        persistent_workers=cfg.num_workers > 0,
-    )
-
-    module = TrainModule(data.model_cfg, softmax=cfg.loss == "softmax").to(device)
-    if cfg.sync_bn and dist.enabled and device.type == "cuda":
-        module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    bank = MemoryBank(
-        torch.from_numpy(data.train.labels),
-        cfg.embedding_dim,
-        indices=torch.from_numpy(data.train.positions),
-        num_classes=data.model_cfg.num_classes,
-        generator=gen,
-    ).to(device)
-    wd = cfg.resolved_weight_decay(data.model_cfg.image_size)
-    opt = torch.optim.SGD(
-        module.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True, weight_decay=wd
-    )
-    amp = cfg.amp and device.type == "cuda"
-    use_scaler = amp and not torch.cuda.is_bf16_supported()
-    scaler = torch.amp.GradScaler("cuda") if use_scaler else None
-    mom = MomentumSchedule(
-        cfg.memory_momentum_start, cfg.memory_momentum_end, cfg.memory_momentum_schedule
-    )
-
-    metrics: list[dict] = []
-    start_epoch, wall_before = 0, 0.0
-    if resuming:
-        state = load_checkpoint(stage, module, bank, opt, scaler)
-        start_epoch = state["epoch"]
-        metrics = state["metrics"]
-        wall_before = state.get("wall_seconds", 0.0)
-        if start_epoch >= cfg.epochs:
-            raise SNCAError(
-                f"the run in {stage} already has {start_epoch} epochs; pass --epochs > "
-                f"{start_epoch} to extend it"
+        self.data = data = build_data(cfg, dist)
+        try:
+            self.sampler = GlobalBatchSampler(
+                len(data.train), cfg.batch_size, dist.rank, dist.world_size, cfg.seed
             )
-    ddp = module
-    if dist.enabled:
-        ddp = nn.parallel.DistributedDataParallel(
-            module, device_ids=[device.index] if device.type == "cuda" else None
+        except ValueError as e:
+            raise SNCAError(f"{e}; lower --batch-size") from None
+        tf = train_transform(data.model_cfg) if cfg.augment else eval_transform(data.model_cfg)
+        self.loader = DataLoader(
+            IndexedDataset(data.train, tf),
+            batch_sampler=self.sampler,
+            num_workers=cfg.num_workers,
+            pin_memory=device.type == "cuda",
+            persistent_workers=cfg.num_workers > 0,
         )
+        self.module = module = TrainModule(data.model_cfg, softmax=cfg.loss == "softmax").to(device)
+        if cfg.sync_bn and dist.enabled and device.type == "cuda":
+            self.module = module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        self.bank = MemoryBank(
+            torch.from_numpy(data.train.labels),
+            cfg.embedding_dim,
+            indices=torch.from_numpy(data.train.positions),
+            num_classes=data.model_cfg.num_classes,
+            generator=torch.Generator().manual_seed(cfg.seed),
+        ).to(device)
+        self.weight_decay = cfg.resolved_weight_decay(data.model_cfg.image_size)
+        self.opt = torch.optim.SGD(
+            module.parameters(),
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=True,
+            weight_decay=self.weight_decay,
+        )
+        self.amp = cfg.amp and device.type == "cuda"
+        use_scaler = self.amp and not torch.cuda.is_bf16_supported()
+        self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
+        self.momentum = MomentumSchedule(
+            cfg.memory_momentum_start, cfg.memory_momentum_end, cfg.memory_momentum_schedule
+        )
+        self.metrics: list[dict] = []
+        self.start_epoch, self.wall_before = 0, 0.0
+        if resuming:
+            state = load_checkpoint(stage, module, self.bank, self.opt, self.scaler)
+            self.start_epoch = state["epoch"]
+            self.metrics = state["metrics"]
+            self.wall_before = state.get("wall_seconds", 0.0)
+            if self.start_epoch >= cfg.epochs:
+                raise SNCAError(
+                    f"the run in {stage} already has {self.start_epoch} epochs; pass --epochs > "
+                    f"{self.start_epoch} to extend it"
+                )
+        self.ddp = module
+        if dist.enabled:
+            self.ddp = nn.parallel.DistributedDataParallel(
+                module, device_ids=[device.index] if device.type == "cuda" else None
+            )
+        if dist.is_main:
+            self._write_config()
 
-    if dist.is_main:
+    def _write_config(self) -> None:
+        cfg, data, dist = self.cfg, self.data, self.dist
+        n_val = len(data.val) if data.val else 0
         resolved = dict(
             cfg.to_dict(),
-            resolved_weight_decay=wd,
+            resolved_weight_decay=self.weight_decay,
             world_size=dist.world_size,
-            train_images=n_train,
-            val_images=len(data.val) if data.val else 0,
+            train_images=len(data.train),
+            val_images=n_val,
             class_names=data.model_cfg.class_names,
-            device=str(device),
+            device=str(self.device),
         )
-        atomic_write_json(stage / "config.json", resolved)
-        log(
-            f"training {cfg.loss} / {cfg.arch} on {cfg.dataset}: {n_train} train, "
-            f"{len(data.val) if data.val else 0} val images, {data.model_cfg.num_classes} "
-            f"classes, {len(sampler)} steps/epoch x {cfg.epochs} epochs on {device}"
+        atomic_write_json(self.run_dir.config, resolved)
+        self.run_dir.write_provenance(DatasetProvenance.of(data.train.raw))
+        self.log(
+            f"training {cfg.loss} / {cfg.arch} on {cfg.dataset}: {len(data.train)} train, "
+            f"{n_val} val images, {data.model_cfg.num_classes} classes, {len(self.sampler)} "
+            f"steps/epoch x {cfg.epochs} epochs on {self.device}"
             + (f" x {dist.world_size} processes" if dist.enabled else "")
         )
 
-    steps_per_epoch = len(sampler)
-    t_run = time.perf_counter()
-    for epoch in range(start_epoch, cfg.epochs):
+    def run(self) -> RunResult:
+        t_run = time.perf_counter()
+        for epoch in range(self.start_epoch, self.cfg.epochs):
+            t0 = time.perf_counter()
+            rec = self.train_epoch(epoch)
+            if self.dist.is_main:
+                self.end_epoch(epoch, rec, t0, self.wall_before + time.perf_counter() - t_run)
+            self.dist.barrier()
+        result = RunResult(out=Path(self.cfg.out), metrics=self.metrics)
+        if self.dist.is_main:
+            result.summary = self.export(self.wall_before + time.perf_counter() - t_run)
+        self.dist.barrier()
+        return result
+
+    def train_epoch(self, epoch: int) -> dict:
+        """One pass over the training set; the epoch's record (loss, lr, momentum, speed)."""
+        cfg, dist, device = self.cfg, self.dist, self.device
+        steps = len(self.sampler)
         t0 = time.perf_counter()
-        module.train()
-        sampler.set_epoch(epoch)
-        m = mom(epoch, cfg.epochs)
+        self.module.train()
+        self.sampler.set_epoch(epoch)
+        m = self.momentum(epoch, cfg.epochs)
         # (loss sum, skipped, correct) accumulated on the device; images seen on the host
         acc = torch.zeros(3, dtype=torch.float64, device=device)
         seen = 0
-        bar = tqdm(
-            loader,
-            desc=f"epoch {epoch + 1}/{cfg.epochs}",
-            disable=None if (cfg.progress and dist.is_main) else True,
-            leave=False,
-            dynamic_ncols=True,
-        )
-        for i, (x, y, slots) in enumerate(bar):
-            step = epoch * steps_per_epoch + i
-            lr = lr_at(cfg, step, steps_per_epoch)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            x = x.to(device, non_blocking=True)
-            y = y.to(device, non_blocking=True)
-            slots = slots.to(device, non_blocking=True)
-            r = train_step(
-                ddp,
-                bank,
-                opt,
-                x,
-                y,
-                slots,
-                loss_kind=cfg.loss,
-                temperature=cfg.temperature,
-                memory_momentum=m,
-                dist=dist,
-                scaler=scaler,
-                amp=amp,
-            )
-            acc += torch.stack([r.loss * x.shape[0], r.skipped, r.correct]).double()
-            seen += x.shape[0]
-            if i % SYNC_EVERY == 0 or i == steps_per_epoch - 1:
-                loss_now = float(r.loss)  # host sync, every SYNC_EVERY steps only
-                if not math.isfinite(loss_now):
-                    raise SNCAError(
-                        f"training diverged at epoch {epoch + 1}, step {i + 1}: loss is "
-                        f"{loss_now} (σ = {cfg.temperature}, lr = {lr:g}); try a larger "
-                        "--temperature or a lower --lr"
-                    )
-                bar.set_postfix(loss=f"{loss_now:.4f}", lr=f"{lr:.3g}")
-        bar.close()
+        desc = f"epoch {epoch + 1}/{cfg.epochs}"
+        with Progress(steps, desc, "steps", enabled=cfg.progress and dist.is_main) as bar:
+            for i, (x, y, slots) in enumerate(self.loader):
+                lr = lr_at(cfg, epoch * steps + i, steps)
+                for g in self.opt.param_groups:
+                    g["lr"] = lr
+                x = x.to(device, non_blocking=True)
+                r = train_step(
+                    self.ddp,
+                    self.bank,
+                    self.opt,
+                    x,
+                    y.to(device, non_blocking=True),
+                    slots.to(device, non_blocking=True),
+                    loss_kind=cfg.loss,
+                    temperature=cfg.temperature,
+                    memory_momentum=m,
+                    dist=dist,
+                    scaler=self.scaler,
+                    amp=self.amp,
+                )
+                acc += torch.stack([r.loss * x.shape[0], r.skipped, r.correct]).double()
+                seen += x.shape[0]
+                if i % SYNC_EVERY == 0 or i == steps - 1:
+                    loss_now = float(r.loss)  # host sync, every SYNC_EVERY steps only
+                    if not math.isfinite(loss_now):
+                        raise SNCAError(
+                            f"training diverged at epoch {epoch + 1}, step {i + 1}: loss is "
+                            f"{loss_now} (σ = {cfg.temperature}, lr = {lr:g}); try a larger "
+                            "--temperature or a lower --lr"
+                        )
+                    bar.note(f"loss {loss_now:.4f}, lr {lr:.3g}")
+                bar.update()
         # Statistics of the whole global batch, the same on every rank.
         seen_t = torch.full((1,), float(seen), dtype=torch.float64, device=device)
-        stats = dist.all_reduce_sum(torch.cat([acc, seen_t]))
-        tot_loss, tot_skip, tot_correct, seen = stats.tolist()
+        tot_loss, tot_skip, tot_correct, seen = dist.all_reduce_sum(
+            torch.cat([acc, seen_t])
+        ).tolist()
         if not math.isfinite(tot_loss):
             raise SNCAError(f"training diverged in epoch {epoch + 1}: the mean loss is {tot_loss}")
         train_time = time.perf_counter() - t0
         rec = {
             "epoch": epoch + 1,
-            "lr": lr_at(cfg, (epoch + 1) * steps_per_epoch - 1, steps_per_epoch),
+            "lr": lr_at(cfg, (epoch + 1) * steps - 1, steps),
             "memory_momentum": m,
             "train_loss": tot_loss / max(seen, 1),
             "train_images_per_s": seen / train_time,
@@ -507,66 +472,67 @@ def _train(cfg, dist, device, stage, resuming, log, progress) -> RunResult:
             rec["nca_skipped"] = int(tot_skip)
         else:
             rec["train_softmax_top1"] = 100.0 * tot_correct / max(seen, 1)
-        if dist.is_main:
-            last = epoch + 1 == cfg.epochs
-            if (epoch + 1) % cfg.eval_every == 0 or last:
-                rec.update(evaluate(module.net, module.head, bank, data, cfg, device))
-            rec["epoch_seconds"] = time.perf_counter() - t0
-            metrics.append(rec)
-            wall = wall_before + time.perf_counter() - t_run
-            save_checkpoint(
-                stage,
-                module,
-                bank,
-                opt,
-                scaler,
-                {"epoch": epoch + 1, "metrics": metrics, "wall_seconds": wall},
-            )
-            progress["checkpointed"] = True
-            atomic_write_bytes(
-                stage / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in metrics).encode()
-            )
-            write_curves(stage / "curves.png", metrics, f"{cfg.loss} / {cfg.arch} / {cfg.dataset}")
-            knn = ", ".join(
-                f"kNN k={k} {rec[f'val_knn_top1@{k}']:.2f}%"
-                for k in cfg.knn_k
-                if f"val_knn_top1@{k}" in rec
-            )
-            extra = f", softmax {rec['val_softmax_top1']:.2f}%" if "val_softmax_top1" in rec else ""
-            val = f", val {knn}{extra}" if knn or extra else " (no validation split)"
-            log(
-                f"epoch {epoch + 1}/{cfg.epochs}: loss {rec['train_loss']:.4f}{val} "
-                f"({rec['epoch_seconds']:.0f}s)"
-            )
-        dist.barrier()
+        return rec
 
-    result = RunResult(out=out, metrics=metrics)
-    if dist.is_main:
-        final = evaluate(module.net, module.head, bank, data, cfg, device, recompute=True)
-        fp = save_model(module.net, stage)
+    def end_epoch(self, epoch: int, rec: dict, t0: float, wall: float) -> None:
+        """Rank 0 after each epoch: validation (every --eval-every and after the last), the
+        checkpoint, metrics.jsonl, curves.png, one log line."""
+        cfg = self.cfg
+        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
+            m = self.module
+            rec.update(evaluate(m.net, m.head, self.bank, self.data, cfg, self.device))
+        rec["epoch_seconds"] = time.perf_counter() - t0
+        self.metrics.append(rec)
+        save_checkpoint(
+            self.run_dir.path,
+            self.module,
+            self.bank,
+            self.opt,
+            self.scaler,
+            {"epoch": epoch + 1, "metrics": self.metrics, "wall_seconds": wall},
+        )
+        self.checkpointed = True
+        lines = "".join(json.dumps(x) + "\n" for x in self.metrics)
+        atomic_write_bytes(self.run_dir.metrics, lines.encode())
+        write_curves(self.run_dir.curves, self.metrics, f"{cfg.loss} / {cfg.arch} / {cfg.dataset}")
+        knn = ", ".join(
+            f"kNN k={k} {rec[f'val_knn_top1@{k}']:.2f}%"
+            for k in cfg.knn_k
+            if f"val_knn_top1@{k}" in rec
+        )
+        extra = f", softmax {rec['val_softmax_top1']:.2f}%" if "val_softmax_top1" in rec else ""
+        val = f", val {knn}{extra}" if knn or extra else " (no validation split)"
+        self.log(
+            f"epoch {epoch + 1}/{cfg.epochs}: loss {rec['train_loss']:.4f}{val} "
+            f"({rec['epoch_seconds']:.0f}s)"
+        )
+
+    def export(self, wall: float) -> dict:
+        """Rank 0 at the end: final validation under both protocols, the model, the memory
+        bank, the classifier (softmax), summary.json; then the run dir is published."""
+        cfg, data, m, run = self.cfg, self.data, self.module, self.run_dir
+        self.log("final validation (memory bank and re-embedded training images)...")
+        final = evaluate(m.net, m.head, self.bank, data, cfg, self.device, recompute=True)
+        fp = save_model(m.net, run.path)
         extra = {}
         if data.train.fine_labels is not None:
             extra["fine_labels"] = torch.from_numpy(data.train.fine_labels)
-        save_memory_bank(
-            stage / "memory.safetensors", bank.embeddings, bank.labels, bank.indices, fp, extra
-        )
-        if module.head is not None:
+        bank = self.bank
+        save_memory_bank(run.memory, bank.embeddings, bank.labels, bank.indices, fp, extra)
+        if m.head is not None:
             write_safetensors(
-                stage / "classifier.safetensors",
-                {k: v for k, v in module.head.state_dict().items()},
+                run.classifier,
+                {k: v for k, v in m.head.state_dict().items()},
                 {"model_fingerprint": fp},
             )
-        best = (
-            max(metrics, key=lambda r: r.get(f"val_knn_top1@{max(cfg.knn_k)}", -1))
-            if metrics
-            else {}
-        )
+        key = f"val_knn_top1@{max(cfg.knn_k)}"
+        best = max(self.metrics, key=lambda r: r.get(key, -1)) if self.metrics else {}
         summary = {
             "final": final,
             "best_epoch": best.get("epoch"),
             "best": {k: v for k, v in best.items() if k.startswith("val_")},
             "epochs": cfg.epochs,
-            "wall_seconds": wall_before + time.perf_counter() - t_run,
+            "wall_seconds": wall,
             "model_fingerprint": fp,
             "fine_class_names": data.train.fine_class_names,
             "hardware": hardware(),
@@ -574,8 +540,6 @@ def _train(cfg, dist, device, stage, resuming, log, progress) -> RunResult:
             "votes over the memory bank, 'val_recompute_knn_*' over re-embedded "
             "training images (eval transform)",
         }
-        atomic_write_json(stage / "summary.json", summary)
-        rundir.finalize(stage, out)
-        result.summary = summary
-    dist.barrier()
-    return result
+        atomic_write_json(run.summary, summary)
+        rundir.finalize(run.path, Path(cfg.out))
+        return summary

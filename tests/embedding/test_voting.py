@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from embedding.voting import kde_log_density, kde_probs, knn_probs, prototype_probs
+from embedding.votes import kde_log_density, kde_probs, knn_probs, prototype_probs
 
 
 def test_kde_log_density_matches_the_definition():
@@ -71,7 +71,7 @@ def test_kde_is_stable_for_small_sigma(sigma):
 
 
 def test_kde_prepared_labels_give_the_same_density():
-    from embedding.voting import kde_prepare
+    from embedding.votes import kde_prepare
 
     g = torch.Generator().manual_seed(3)
     s = torch.rand(4, 50, generator=g) * 2 - 1
@@ -82,7 +82,7 @@ def test_kde_prepared_labels_give_the_same_density():
 
 
 def test_kde_onehot_and_scatter_paths_agree():
-    from embedding.voting import kde_prepare
+    from embedding.votes import kde_prepare
 
     g = torch.Generator().manual_seed(4)
     s = torch.rand(3, 400, generator=g) * 2 - 1

@@ -44,11 +44,11 @@ def test_both_sources_build_a_working_index(tiny_run, tmp_path, source):
     bank, _ = load_memory_bank(tiny_run / "memory.safetensors")
     n = bank["embeddings"].shape[0]
     assert ix.index.ntotal == n == 600
-    assert ix.manifest["source"] == source
+    assert ix.manifest.source == source
     conn = open_store(out / STORE_FILE)
     names = model.config.class_names
     expect = {names[c]: int(k) for c, k in enumerate(np.bincount(bank["labels"].numpy())) if k}
-    assert label_counts(conn) == expect == ix.manifest["labels"]
+    assert label_counts(conn) == expect == ix.manifest.labels
     conn.close()
     rows = [0, 17, 599]
     if source == "memory":

@@ -169,3 +169,15 @@ def test_snca_eval_dispatches_and_rejects_unknown_commands(tmp_path, capsys):
     assert "evaluate: error: missing file" in capsys.readouterr().err
     assert eval_cli(["fewshot", str(tmp_path / "missing")]) == 2
     assert "fewshot: error:" in capsys.readouterr().err
+
+
+def test_progress_lines_when_the_output_is_not_a_terminal(tmp_path):
+    """Logs, CI and Docker get a line every SNCA_PROGRESS_SECONDS, not one per epoch (a run
+    was silent for minutes at a time); --no-progress stays silent."""
+    args = [a for a in TINY if a != "--no-progress"]
+    p = run_cli("training", *args, "--out", tmp_path / "r", env={"SNCA_PROGRESS_SECONDS": "0"})
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("epoch 1/1: ")]
+    assert len(lines) >= 5 and "steps (" in lines[0] and "\r" not in p.stderr, p.stderr
+    q = run_cli("training", *TINY, "--out", tmp_path / "q", env={"SNCA_PROGRESS_SECONDS": "0"})
+    assert q.returncode == 0 and "steps (" not in q.stderr, q.stderr

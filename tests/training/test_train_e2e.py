@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,23 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from embedding import EmbeddingNet, load_memory_bank, load_model
-from embedding.inference import embed_batches
 from embedding.knn import knn_evaluate
-from tests.conftest import run_cli
+from embedding.rundir import RunDir
+from tests.conftest import SHORT, run_cli
 from training.config import TrainConfig
-from training.trainer import build_data, eval_loader
-
-# ~60 s on 2 cores: 9,000 training images, 8 epochs, cosine lr.
-SHORT = dict(subset=10000, val_size=1000, epochs=8, seed=0, lr_schedule="cosine")
-
-
-@pytest.fixture(scope="module")
-def short_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs") / "nca"
-    args = [a for k, v in SHORT.items() for a in (f"--{k.replace('_', '-')}", v)]
-    p = run_cli("training", *args, "--out", out, "--no-progress")
-    assert p.returncode == 0, p.stderr
-    return out, p.stdout
+from training.datasets import build_data, embed_split
 
 
 def _pixels(split):
@@ -51,8 +40,8 @@ def test_short_run_beats_untrained_net_and_raw_pixels(short_run):
     tr_y = torch.from_numpy(data.train.labels)
     torch.manual_seed(123)
     untrained = EmbeddingNet(cfg)
-    ve = embed_batches(untrained, eval_loader(data.val, cfg, 512, 0, False), torch.device("cpu"))
-    te = embed_batches(untrained, eval_loader(data.train, cfg, 512, 0, False), torch.device("cpu"))
+    ve = embed_split(untrained, data.val, cfg)
+    te = embed_split(untrained, data.train, cfg)
     base = knn_evaluate(ve, val_y, te, tr_y, 10, cfg.temperature, (30,))["knn_top1@30"]
     pix = knn_evaluate(
         _pixels(data.val), val_y, _pixels(data.train), tr_y, 10, cfg.temperature, (1, 30)
@@ -80,6 +69,7 @@ def test_run_dir_is_complete_and_round_trips(short_run):
         "curves.png",
         "summary.json",
         "checkpoint.safetensors",
+        "dataset.json",
     } <= names
     assert not out.with_name(out.name + ".partial").exists()
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -88,6 +78,10 @@ def test_run_dir_is_complete_and_round_trips(short_run):
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     config = json.loads((out / "config.json").read_text())
     assert config["train_images"] == 9000 and config["val_images"] == 1000
+    # where the images came from, enough for the index builder to read the same ones again
+    prov = RunDir(out).read_provenance()
+    assert prov.dataset == "fashion-mnist" and prov.train_items == 60000
+    assert prov.root and (prov.load_train().root.resolve() == Path(prov.root))
 
     # Load model card + weights + memory bank, embed the validation images again:
     # the same kNN accuracy as the run reported.
@@ -98,9 +92,7 @@ def test_run_dir_is_complete_and_round_trips(short_run):
     torch.testing.assert_close(bank["embeddings"].norm(dim=1), torch.ones(9000))
     data = build_data(TrainConfig(**SHORT))
     assert np.array_equal(bank["indices"].numpy(), data.train.positions)
-    ve = embed_batches(
-        model, eval_loader(data.val, model.config, 256, 0, False), torch.device("cpu")
-    )
+    ve = embed_split(model, data.val, model.config, batch_size=256)
     res = knn_evaluate(
         ve,
         torch.from_numpy(data.val.labels),

@@ -1,8 +1,8 @@
 """`make reproduce`: the evaluation grid of the paper's claims on Fashion-MNIST with conv4, on CPU.
 
-    python -m training.reproduce                 # whole grid (~42 min on 2 idle cores), docs/RESULTS.md
-    python -m training.reproduce --quick         # small subsets, ~4.5 min; report in OUT/docs/
-    python -m training.reproduce --only main,ablation --docs /tmp/report
+    python -m experiments.reproduce                 # whole grid (~42 min on 2 idle cores), docs/RESULTS.md
+    python -m experiments.reproduce --quick         # small subsets, ~4.5 min; report in OUT/docs/
+    python -m experiments.reproduce --only main,ablation --docs /tmp/report
 
 Trains every run of the grid with `python -m training` (one subprocess each, seed fixed), then
 evaluates it with the same code `snca-eval` and the service use:
@@ -38,6 +38,7 @@ import numpy as np
 
 from embedding.artifacts import atomic_write_bytes
 from embedding.errors import SNCAError
+from embedding.rundir import RunDir
 
 BEGIN, END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"
 GROUPS = ("main", "ablation", "coarse", "fewshot")
@@ -111,7 +112,7 @@ def train(job: Job, out: Path, retrain: bool, log) -> dict:
     """Train job's run dir unless it is complete with the same arguments; returns the status."""
     run, stamp = out / job.name, out / f"{job.name}.args.json"
     args = [*job.args, "--seed", "0", "--no-progress"]
-    done = not retrain and (run / "summary.json").is_file() and stamp.is_file()
+    done = not retrain and RunDir(run).summary.is_file() and stamp.is_file()
     if done and json.loads(stamp.read_text()) == args:
         log(f"[{job.name}] complete, kept (--retrain redoes it)")
         return {"status": "ok", "reused": True}
@@ -131,14 +132,14 @@ def train(job: Job, out: Path, retrain: bool, log) -> dict:
 
 # ---------------------------------------------------------------------------------- evaluation
 def evaluate(job: Job, run: Path, quick: bool) -> dict:
-    from .evaluate import closed_set
+    from training.evaluate import closed_set
 
     if job.group == "ablation":  # model selection: validation split only
         return {"closed": closed_set(run, "val", (1, 30))}
     res = {"closed": closed_set(run, "test", KS)}
     if job.group == "fewshot":
-        from .fewshot import evaluate as gen_eval
-        from .fewshot import load_pools, run_episodes
+        from training.fewshot import evaluate as gen_eval
+        from training.fewshot import load_pools, run_episodes
 
         pools = load_pools(run, None, "test", "memory")
         draws, episodes = (3, 200) if quick else (10, 1000)
@@ -173,7 +174,7 @@ def figures(jobs: dict[str, Job], out: Path, fig_dir: Path) -> list[str]:
     # training curves: validation kNN top-1 per epoch, both models (+ softmax parametric)
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for job, color in ((nca, "tab:blue"), (soft, "tab:orange")):
-        rows = [json.loads(x) for x in (out / job.name / "metrics.jsonl").read_text().splitlines()]
+        rows = RunDir(out / job.name).read_metrics()
         ep = [r["epoch"] for r in rows]
         axes[0].plot(ep, [r["train_loss"] for r in rows], color=color, marker="o", label=job.label)
         for key, style in (("val_knn_top1@30", "-"), ("val_knn_top1@1", ":")):
@@ -250,14 +251,12 @@ def neighbour_grid(out: Path, fig_dir: Path, jobs, n_queries: int = 6) -> str:
     a red title marks a neighbour of another class."""
     import matplotlib.pyplot as plt
 
-    from embedding import load_memory_bank, load_model
     from embedding.datasets import load_raw
-
-    from .evaluate import run_config
-    from .fewshot import _embed
+    from training.evaluate import run_config
+    from training.fewshot import embed_positions
 
     cfg = run_config(out / jobs[0].name)
-    model0 = load_model(out / jobs[0].name)
+    model0 = RunDir(out / jobs[0].name).load_model()
     mc = model0.config
     test = load_raw(cfg.dataset, "test", cfg.data_dir, mc.image_size, mc.in_channels)
     train = load_raw(cfg.dataset, "train", cfg.data_dir, mc.image_size, mc.in_channels)
@@ -268,14 +267,14 @@ def neighbour_grid(out: Path, fig_dir: Path, jobs, n_queries: int = 6) -> str:
         n_queries, 1 + 5 * len(jobs), figsize=(1.2 * (1 + 5 * len(jobs)), 1.35 * n_queries)
     )
     for col, job in enumerate(jobs):
-        model = model0 if col == 0 else load_model(out / job.name)
-        bank, _ = load_memory_bank(out / job.name / "memory.safetensors")
-        q = _embed(model.eval(), test, queries)  # (n, d)
-        top = (q @ bank["embeddings"].T).topk(5, dim=1)
+        model = model0 if col == 0 else RunDir(out / job.name).load_model()
+        bank = RunDir(out / job.name).load_memory()
+        q = embed_positions(model.eval(), test, queries)  # (n, d)
+        top = (q @ bank.embeddings.T).topk(5, dim=1)
         for r, qi in enumerate(queries):
             for j in range(5):
                 ax = axes[r, 1 + 5 * col + j]
-                pos = int(bank["indices"][top.indices[r, j]])
+                pos = int(bank.indices[top.indices[r, j]])
                 ax.imshow(_pixels(train.source.get(pos)), cmap="gray")
                 same = int(train.targets[pos]) == int(ty[qi])
                 ax.set_title(
@@ -473,7 +472,7 @@ def write_report(path: Path, block: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m training.reproduce",
+        prog="python -m experiments.reproduce",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -499,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reproduce: error: {msg}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    from .trainer import hardware
+    from training.trainer import hardware
 
     def log(msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
@@ -521,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             j.result["train"] = {"status": "failed", "error": f"evaluation: {e}"}
             failed += 1
             continue
-        summary = json.loads((out / j.name / "summary.json").read_text())
+        summary = RunDir(out / j.name).read_summary()
         j.result["wall_seconds"] = summary.get("wall_seconds")
         j.result["eval_seconds"] = round(time.perf_counter() - t_eval, 1)
         log(f"[{j.name}] done in {time.perf_counter() - t0:.0f}s")

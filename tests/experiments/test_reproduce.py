@@ -1,12 +1,12 @@
-"""`make reproduce QUICK=1` (python -m training.reproduce --quick) on a tiny subset: the whole
+"""`make reproduce QUICK=1` (python -m experiments.reproduce --quick) on a tiny subset: the whole
 grid trains, evaluates, and writes the report block, the figures and the raw numbers."""
 
 import json
 
 import pytest
 
+from experiments.reproduce import BEGIN, END, GROUPS, grid, write_report
 from tests.conftest import run_cli
-from training.reproduce import BEGIN, END, GROUPS, grid, write_report
 
 
 @pytest.mark.slow
@@ -18,7 +18,7 @@ def test_quick_grid_end_to_end(tmp_path):
     )
     out = tmp_path / "runs"
     p = run_cli(
-        "training.reproduce",
+        "experiments.reproduce",
         "--quick",
         "--subset",
         "600",
@@ -51,9 +51,9 @@ def test_quick_grid_end_to_end(tmp_path):
 
 
 def test_bad_arguments_name_the_problem(tmp_path):
-    p = run_cli("training.reproduce", "--only", "main,bogus", "--out", tmp_path)
+    p = run_cli("experiments.reproduce", "--only", "main,bogus", "--out", tmp_path)
     assert p.returncode == 2 and "bogus" in p.stderr
-    p = run_cli("training.reproduce", "--subset", "5", "--out", tmp_path)
+    p = run_cli("experiments.reproduce", "--subset", "5", "--out", tmp_path)
     assert p.returncode == 2 and "--subset" in p.stderr
 
 

@@ -3,8 +3,8 @@
 import torch
 
 from embedding.config import ModelConfig
-from embedding.inference import optimize_for_cpu
 from embedding.model import EmbeddingNet
+from service.accel import optimize_for_cpu
 
 
 def _model():

@@ -1,0 +1,119 @@
+"""kde: density-aware vote. Each label's kernel density at the query,
+
+    f_c(q) = (1/n_c) Σ_{j: y_j = c} exp(s_j / σ),
+
+over *all* of the label's items, with equal prior for every label; probabilities f_c / Σ f.
+Dividing by n_c is what lets five exemplars compete with five thousand: a big label is not
+rewarded for its size, only for being dense where the query is. The sum runs over every item
+(the top-m nearest only would favour big labels, whose m-th neighbour is always close:
+measured, that variant lost all novel queries).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import GalleryView, VoteInput, VoteRule, softmax_or_zero
+
+
+def kde_dtype(temperature: float) -> torch.dtype:
+    """float64 when 2/σ leaves float32's exp range (as the NCA loss does)."""
+    return torch.float64 if 2.0 / temperature > 80.0 else torch.float32
+
+
+# Up to this many elements (N x (C+1)) the per-label sums are one matrix product with a one-hot
+# label matrix (2.3x faster than scatter_add on CPU at N = 55,000); above it, scatter_add.
+ONEHOT_LIMIT = 1 << 25
+
+
+def kde_prepare(
+    labels: torch.Tensor, num_classes: int, temperature: float, onehot_limit: int = ONEHOT_LIMIT
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What kde_log_density needs from the gallery's labels alone (the service caches it until
+    the gallery changes): labels (N,) with deleted items (-1) moved to a spare column C, the
+    live count per label (C,), and the one-hot matrix (N, C+1) when it fits `onehot_limit`."""
+    dtype = kde_dtype(temperature)
+    lab = torch.where(labels >= 0, labels, num_classes)  # (N,)
+    counts = torch.bincount(lab, minlength=num_classes + 1)[:num_classes]  # (C,)
+    onehot = None
+    if lab.numel() * (num_classes + 1) <= onehot_limit:
+        onehot = torch.nn.functional.one_hot(lab, num_classes + 1).to(dtype)  # (N, C+1)
+    return lab, counts.to(dtype), onehot
+
+
+def kde_log_density(
+    similarities: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    temperature: float,
+    prepared: tuple | None = None,
+) -> torch.Tensor:
+    """log f_c(q) = log((1/n_c) Σ_{j: y_j=c} exp(s_j/σ)) for every label.
+
+    similarities (Q, N) to every gallery item; labels (N,) int64 in [0, C), -1 = deleted item;
+    `prepared` = kde_prepare(labels, ...) when the caller has it. Returns (Q, C); -inf for
+    labels without items. Shifted by 1/σ (s <= 1) so nothing overflows.
+    """
+    dtype = kde_dtype(temperature)
+    lab, counts, onehot = (
+        prepared if prepared is not None else kde_prepare(labels, num_classes, temperature)
+    )
+    if onehot is not None:
+        return kde_from_onehot(similarities, onehot, counts, temperature)
+    w = _kde_weights(similarities, dtype, temperature)  # (Q, N)
+    sums = torch.zeros(w.shape[0], num_classes + 1, dtype=dtype, device=w.device)
+    sums.scatter_add_(1, lab.unsqueeze(0).expand(w.shape[0], -1), w)  # (Q, C+1)
+    return _kde_finish(sums[:, :num_classes], counts, temperature)
+
+
+def kde_from_onehot(
+    similarities: torch.Tensor, onehot: torch.Tensor, counts: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """kde_log_density given kde_prepare's one-hot (N, C+1) and counts (C,): (Q, N) -> (Q, C).
+    TorchScript-compatible (kde_top compiles it)."""
+    w = _kde_weights(similarities, onehot.dtype, temperature)  # (Q, N)
+    sums = w @ onehot  # (Q, C+1): per-label sums, the last column collects deleted items
+    return _kde_finish(sums[:, : counts.shape[0]], counts, temperature)
+
+
+def _kde_weights(
+    similarities: torch.Tensor, dtype: torch.dtype, temperature: float
+) -> torch.Tensor:
+    """exp((s - 1)/σ) in `dtype`: each item's kernel weight, shifted by 1/σ (s <= 1) so that
+    nothing overflows. (Q, N), a fresh tensor (the rest is in place)."""
+    w = similarities.to(dtype) - 1.0
+    return w.div_(temperature).exp_()
+
+
+def _kde_finish(sums: torch.Tensor, counts: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log((1/n_c) Σ exp(s/σ)) from the shifted sums (Q, C); -inf where n_c = 0."""
+    out = torch.log(sums) + 1.0 / temperature - torch.log(counts)
+    return out.masked_fill((counts <= 0).unsqueeze(0), float("-inf")).float()
+
+
+def kde_probs(
+    similarities: torch.Tensor, labels: torch.Tensor, num_classes: int, temperature: float
+) -> torch.Tensor:
+    """(Q, C) f_c / Σ_c f_c (equal label priors)."""
+    return softmax_or_zero(kde_log_density(similarities, labels, num_classes, temperature))
+
+
+class Kde(VoteRule):
+    name = "kde"
+    needs_similarities = True
+
+    @staticmethod
+    def prepared(view: GalleryView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """kde_prepare of the view's labels, kept as long as the view (the service's view
+        lives until the gallery changes)."""
+        return view.memo(
+            "kde", lambda: kde_prepare(view.labels, view.num_classes, view.temperature)
+        )
+
+    def vote(self, x: VoteInput) -> torch.Tensor:
+        v = x.view
+        if not bool((v.counts > 0).any()):
+            return torch.zeros(x.queries.shape[0], v.num_classes)
+        prepared = self.prepared(v)
+        logd = kde_log_density(x.similarities, v.labels, v.num_classes, v.temperature, prepared)
+        return torch.softmax(logd.nan_to_num(neginf=-1e30), dim=1)  # (Q, C)
