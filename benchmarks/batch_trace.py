@@ -47,7 +47,7 @@ from service_load import (  # noqa: E402
 # the records over (and clears them). Each record is a few floats appended under the GIL.
 STUB = """
 import sys, time
-from service import app as app_mod, embedder, gallery, state
+from service import app as app_mod, embedder, gallery, runtime
 rec = {"batch": [], "forward": [], "vote": []}
 def timed(fn, key):
     def wrapper(self, arg, *a, **k):
@@ -56,7 +56,7 @@ def timed(fn, key):
         rec[key].append((time.perf_counter() - t0, time.thread_time() - c0, len(arg)))
         return out
     return wrapper
-state.ServiceState._run_batch = timed(state.ServiceState._run_batch, "batch")
+runtime.ModelRuntime._run_batch = timed(runtime.ModelRuntime._run_batch, "batch")
 embedder.Embedder.forward = timed(embedder.Embedder.forward, "forward")
 gallery.Gallery.classify = timed(gallery.Gallery.classify, "vote")
 real_create = app_mod.create_app

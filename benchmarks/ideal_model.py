@@ -30,15 +30,15 @@ from service_load import RUNS, latency_ratio, print_rows, query_png, serve, star
 
 STUB = """
 import sys, time
-from service import state
-real = state.ServiceState._run_batch
+from service import runtime
+real = runtime.ModelRuntime._run_batch
 answer = []
 def run_batch(self, jobs):
     if not answer:
         answer.append(real(self, jobs[:1])[0])
     time.sleep(({batch_ms} + {per_image_ms} * len(jobs)) / 1000)  # no GIL, no CPU
     return answer * len(jobs)
-state.ServiceState._run_batch = run_batch
+runtime.ModelRuntime._run_batch = run_batch
 from service.cli import main
 sys.argv = ["snca-serve"] + sys.argv[1:]
 sys.exit(main())

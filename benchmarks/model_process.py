@@ -33,10 +33,10 @@ import httpx  # noqa: E402
 from service_load import RUNS, latency_ratio, print_rows, query_png, serve  # noqa: E402
 
 # In the server process: start the worker, wait until it is ready, then run snca-serve with
-# ServiceState.classify sending jobs to the worker.
+# ModelRuntime.classify sending jobs to the worker.
 STUB = r"""
 import asyncio, itertools, json, os, struct, subprocess, sys
-from service import state
+from service import runtime
 from service.gallery import Classification
 argv = sys.argv[1:]
 opt = dict(zip(argv[::2], argv[1::2]))
@@ -84,7 +84,7 @@ async def classify(self, p, vote, k, labels, neighbors):
     os.write(jobs_w, HEAD.pack(i, VOTES.index(vote), k, len(px)) + px)
     return await f
 
-state.ServiceState.classify = classify
+runtime.ModelRuntime.classify = classify
 from service.cli import main
 sys.argv = ["snca-serve"] + argv
 code = main()
@@ -98,12 +98,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from service.config import Settings
-from service.state import Job, ServiceState
+from service.runtime import Job
+from service.startup import ServiceHost
 run, data_dir, jobs_r, done_w = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-st = ServiceState(Settings(model=run, data_dir=data_dir / "worker"))
-st.start()
+st = ServiceHost(Settings(model=run, data_dir=data_dir / "worker")).finish().runtime
 # the service sets its thread count on the model thread; OpenMP keeps it per thread
-torch.set_num_threads(st.torch_threads)
+torch.set_num_threads(st.info.torch_threads)
 shape = (st.embedder.model.config.in_channels,) + (st.embedder.model.config.image_size,) * 2
 VOTES = ["knn", "prototype", "kde"]
 HEAD = struct.Struct("<qBHI")

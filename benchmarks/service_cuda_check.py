@@ -36,18 +36,18 @@ res = {}
 for dev in DEVS:
     app = create_app(Settings(model=RUN, data_dir=Path(f"/tmp/snca-cuda-check-{dev}"), device=dev))
     with TestClient(app) as c:
-        st = app.state.snca
+        rt = app.state.snca.state.runtime
         print(
             dev,
             c.get("/readyz").json(),
             "embedder on",
-            st.embedder.device,
+            rt.embedder.device,
             "mode",
-            st.embedder.mode,
+            rt.embedder.mode,
             "amp",
-            st.embedder.amp,
+            rt.embedder.amp,
             "torch_threads",
-            st.torch_threads,
+            rt.info.torch_threads,
         )
         out = []
         for p in imgs:
@@ -76,13 +76,13 @@ for dev in DEVS:
         print(dev, "batch", batch.status_code, len(batch.json()["results"]))
         # bare throughput of the model + vote on this device, batch 64
         x = torch.zeros(64, 1, 28, 28, dtype=torch.uint8)
-        st.gallery.classify(st.embedder.embed(x), "kde", 30)
+        rt.gallery.classify(rt.embedder.embed(x), "kde", 30)
         if dev == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         n = 0
         while time.perf_counter() - t0 < 3:
-            st.gallery.classify(st.embedder.embed(x), "kde", 30)
+            rt.gallery.classify(rt.embedder.embed(x), "kde", 30)
             n += 64
         print(dev, "bare img/s", round(n / (time.perf_counter() - t0)))
         res[dev] = out

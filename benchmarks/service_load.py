@@ -340,20 +340,21 @@ def bare_limit(run: Path, png: bytes, batch: int = 64, seconds: float = 5.0) -> 
 
     from embedding.datasets import load_raw
     from service.config import Settings
-    from service.state import ServiceState
+    from service.startup import ServiceHost
 
-    st = ServiceState(Settings(model=run, data_dir=run / "bench-bare"))
-    st.start()
+    host = ServiceHost(Settings(model=run, data_dir=run / "bench-bare"))
+    st = host.finish()
+    embedder = st.runtime.embedder
     raw = load_raw("fashion-mnist", "test")
     # uint8 (B, C, H, W) as the service's preprocess leaves them; embed() normalises the batch
-    x = torch.stack([st.embedder.preprocess(raw.source.get(i)) for i in range(batch)])
+    x = torch.stack([embedder.preprocess(raw.source.get(i)) for i in range(batch)])
 
     def rate(threads: int) -> float:
         torch.set_num_threads(threads)
-        st.gallery.classify(st.embedder.embed(x), "kde", 30)
+        st.gallery.classify(embedder.embed(x), "kde", 30)
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            st.gallery.classify(st.embedder.embed(x), "kde", 30)
+            st.gallery.classify(embedder.embed(x), "kde", 30)
             n += batch
         return n / (time.perf_counter() - t0)
 
@@ -362,19 +363,19 @@ def bare_limit(run: Path, png: bytes, batch: int = 64, seconds: float = 5.0) -> 
     torch.set_num_threads(best)
     t0 = time.perf_counter()
     for _ in range(20):
-        st.gallery.classify(st.embedder.embed(x[:1]), "kde", 30)
+        st.gallery.classify(embedder.embed(x[:1]), "kde", 30)
     single = (time.perf_counter() - t0) / 20 * 1000
-    emb = st.embedder.embed(x)
+    emb = embedder.embed(x)
     t0 = time.perf_counter()
     for _ in range(10):
-        st.embedder.embed(x)
+        embedder.embed(x)
     model_us = (time.perf_counter() - t0) / 10 / batch * 1e6
     t0 = time.perf_counter()
     for _ in range(10):
         st.gallery.classify(emb, "kde", 30)
     vote_us = (time.perf_counter() - t0) / 10 / batch * 1e6
-    breakdown = asyncio.run(_http_breakdown(st, png))
-    st.stop()
+    breakdown = asyncio.run(_http_breakdown(host, png))
+    host.stop()
     return {
         "images_per_s": rates[best],
         "threads": best,
@@ -389,21 +390,22 @@ def bare_limit(run: Path, png: bytes, batch: int = 64, seconds: float = 5.0) -> 
     }
 
 
-async def _http_breakdown(st, png: bytes, n: int = 2000) -> dict:
+async def _http_breakdown(host, png: bytes, n: int = 2000) -> dict:
     """CPU per request on the event loop: decode + preprocess, and the whole ASGI app with
     the batcher replaced by a precomputed answer (so: FastAPI, multipart, route, JSON)."""
     from service.app import create_app
-    from service.state import Job
+    from service.runtime import Job
 
-    app = create_app(state=st)
-    (p,) = await st.prepare_async([png], ["image"])
-    answer = st._run_batch([Job("classify", p.pixels, ("kde", 30, None, False))])[0]
+    app = create_app(host=host)
+    rt = host.state.runtime
+    (p,) = await rt.prepare_async([png], ["image"])
+    answer = rt._run_batch([Job("classify", p.pixels, ("kde", 30, None, False))])[0]
 
     async def classify(*_a, **_k):
         return answer
 
-    st.classify = classify
-    st.batcher.start()
+    rt.classify = classify
+    rt.batcher.start()
     raw = request_bytes("127.0.0.1", 80, png)
     head, body = raw.split(b"\r\n\r\n", 1)
     headers = [
@@ -452,7 +454,7 @@ async def _http_breakdown(st, png: bytes, n: int = 2000) -> dict:
     app_us = (time.perf_counter() - t0) / n * 1e6
     t0 = time.perf_counter()
     for _ in range(n):
-        await st.prepare_async([png], ["image"])
+        await rt.prepare_async([png], ["image"])
     decode_us = (time.perf_counter() - t0) / n * 1e6
     return {"asgi_app_with_decode": app_us, "decode_and_preprocess": decode_us}
 

@@ -18,11 +18,12 @@ from starlette.concurrency import run_in_threadpool
 from embedding.errors import SNCAError
 
 from .config import Settings
+from .deps import KEY_SCHEME
 from .embedder import ImageError
 from .logs import request_id, setup_logging
 from .routes import classify, gallery, ops, page, search
 from .schemas import ErrorBody
-from .state import ServiceState
+from .startup import ServiceHost
 from .store import StoreUnavailable
 
 log = logging.getLogger("snca.http")
@@ -44,9 +45,9 @@ class BodyTooLarge(Exception):
 class RequestContext:
     """Pure ASGI middleware: request id, body-size limit, timing header, metrics, access log."""
 
-    def __init__(self, app, state: ServiceState):
+    def __init__(self, app, host: ServiceHost):
         self.app = app
-        self.state = state
+        self.host = host
         # Request ids: a random per-process prefix and a counter (unique, and no syscall per
         # request as uuid4 makes).
         self._prefix = os.urandom(4).hex()
@@ -61,7 +62,7 @@ class RequestContext:
         headers = dict(scope.get("headers") or [])
         rid = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or self._next_id()
         token = request_id.set(rid)
-        limit = self.state.settings.max_upload_bytes
+        limit = self.host.settings.max_upload_bytes
         t0 = time.perf_counter()
         status_box = {"code": 500}
         try:
@@ -126,7 +127,7 @@ class RequestContext:
         route = scope.get("route")
         path = getattr(route, "path", None) or "unmatched"
         dt = time.perf_counter() - t0
-        m = self.state.metrics
+        m = self.host.metrics
         m.requests.labels(path, scope.get("method", ""), str(code)).inc()
         m.latency.labels(path).observe(dt)
         if log.isEnabledFor(logging.DEBUG) or code >= 400:
@@ -144,26 +145,31 @@ class RequestContext:
             )
 
 
-def create_app(settings: Settings | None = None, state: ServiceState | None = None) -> FastAPI:
-    """The app for `settings` (default: from SNCA_* variables). A `state` already started (as
-    snca-serve does, to report start-up errors cleanly) is used as it is."""
-    if state is None:
-        settings = settings or Settings()
-        state = ServiceState(settings)
-    settings = state.settings
+def create_app(settings: Settings | None = None, host: ServiceHost | None = None) -> FastAPI:
+    """The app for `settings` (default: from SNCA_* variables), started by its lifespan. A
+    `host` already opened (as snca-serve does, to report start-up errors before binding the
+    port) is used as it is; if its gallery must first be carried to a new model, that runs in
+    the background while /readyz reports its progress."""
+    if host is None:
+        host = ServiceHost(settings or Settings())
+    settings = host.settings
     setup_logging(settings.log_level)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if not state.ready:
-            await run_in_threadpool(state.start)
-        state.batcher.start()
+        opening = await run_in_threadpool(host.open)
+        opening.runtime.batcher.start()  # results go to this event loop
+        if host.state is None:
+            if opening.plan is None:
+                await run_in_threadpool(host.finish)
+            else:
+                host.finish_in_background()
         try:
             yield
         finally:
-            state.ready = False  # /readyz fails first: load balancers stop sending
-            await state.batcher.stop()  # in-flight batches finish
-            state.stop()
+            host.phase = "stopping"  # /readyz fails first: load balancers stop sending
+            await opening.runtime.batcher.stop()  # in-flight batches finish
+            host.stop()
 
     kw = {}
     if "telemetry" in inspect.signature(FastAPI).parameters:
@@ -176,7 +182,7 @@ def create_app(settings: Settings | None = None, state: ServiceState | None = No
             "operation_spans": False,
         }
     app = FastAPI(title="snca", version="0.1.0", description=DESCRIPTION, lifespan=lifespan, **kw)
-    app.state.snca = state
+    app.state.snca = host
     for r in (classify.router, gallery.router, search.router, ops.router, page.router):
         app.include_router(r)
     app.mount("/static", StaticFiles(directory=page.STATIC_DIR), name="static")
@@ -211,7 +217,7 @@ def create_app(settings: Settings | None = None, state: ServiceState | None = No
     async def _http(request: Request, e: HTTPException):
         return JSONResponse({"detail": e.detail}, status_code=e.status_code, headers=e.headers)
 
-    app.add_middleware(RequestContext, state=state)
+    app.add_middleware(RequestContext, host=host)
     _document_errors_as_sent(app)
     return app
 
@@ -230,6 +236,7 @@ def _document_errors_as_sent(app: FastAPI) -> None:
         )
         comps = schema.setdefault("components", {}).setdefault("schemas", {})
         comps.setdefault("ErrorBody", ErrorBody.model_json_schema())
+        schema["components"]["securitySchemes"] = KEY_SCHEME
         for path_ops in schema.get("paths", {}).values():
             for op in path_ops.values():
                 r422 = op.get("responses", {}).get("422")

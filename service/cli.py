@@ -1,20 +1,29 @@
 """snca-serve: run the service with uvicorn.
 
-    snca-serve --model runs/demo --index runs/demo/index --store runs/demo/serve/gallery.sqlite \\
+    snca-serve --model runs/demo --index runs/demo/index --data-dir data/demo \\
                --host 127.0.0.1 --port 8000
 
-Every option can also come from the environment (SNCA_MODEL, SNCA_INDEX, SNCA_STORE, SNCA_PORT,
-SNCA_API_KEY, ...; see service/config.py); flags win over the environment.
+The gallery (store, snapshots, added images) lives in the data dir, data/<model name> by
+default, which no training or index build touches. Started on a store made under another model
+(a retrain), the service first carries every added item to the new model by re-embedding its
+stored image; /readyz reports the progress.
+
+Every option can also come from the environment (SNCA_MODEL, SNCA_INDEX, SNCA_DATA_DIR,
+SNCA_STORE, SNCA_PORT, SNCA_API_KEY, ...; see service/config.py); flags win over the
+environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 
 from embedding.cliutil import positive_int
 from embedding.errors import SNCAError
+from embedding.votes import VOTES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,13 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--store", type=Path, help="the service's gallery store (default DATA_DIR/gallery.sqlite)"
     )
-    p.add_argument("--data-dir", type=Path, help="store and snapshots (default MODEL/serve)")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        help="the gallery: store, snapshots, previous stores (default data/<model name>)",
+    )
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
-    p.add_argument(
-        "--vote", choices=("knn", "prototype", "kde"), help="default voting rule (default kde)"
-    )
+    p.add_argument("--vote", choices=VOTES, help="default voting rule (default kde)")
     p.add_argument("--k", type=positive_int, help="default k (30)")
     p.add_argument(
         "--max-batch", type=positive_int, help="micro-batcher: images per forward pass (64)"
@@ -80,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from .app import create_app
         from .config import Settings
-        from .state import ServiceState
+        from .startup import ServiceHost
     except ImportError as e:
         print(
             f"snca-serve: error: {e} (install the serve extra: pip install 'snca[serve]')",
@@ -99,29 +110,45 @@ def main(argv: list[str] | None = None) -> int:
     from .logs import setup_logging
 
     setup_logging(settings.log_level)
-    state = ServiceState(settings)
+    host = ServiceHost(settings)
     try:
-        state.start()  # load and check everything before binding the port
+        opening = host.open()  # load and check everything before binding the port
+        print(f"snca-serve: gallery data dir {opening.data.path.resolve()}", flush=True)
+        if opening.adopted is not None:
+            print(
+                f"snca-serve: the gallery store at the old default place {opening.adopted} was "
+                f"copied to {opening.data.store} (the old file is left as it was)",
+                flush=True,
+            )
+        if opening.plan is None:
+            host.finish()
     except (SNCAError, OSError, ValueError, RuntimeError) as e:
+        host.stop()
         print(f"snca-serve: error: {e}", file=sys.stderr)
         return 2
-    app = create_app(state=state)
+    app = create_app(host=host)
     import gc
 
     # Start-up made ~1M long-lived objects (torch, FastAPI); keep full collections from
     # walking them on every cycle (they showed up as latency spikes under load).
     gc.collect()
     gc.freeze()
-    if state.store.read_only:
-        print(
-            f"snca-serve: warning: {state.store.read_only}: serving reads; writes answer 503 "
-            "until it is writable again (/readyz reports 503 meanwhile)",
-            file=sys.stderr,
-            flush=True,
-        )
+    if opening.plan is not None:
+        print(f"snca-serve: {opening.plan.describe()}; /readyz reports the progress", flush=True)
+        host.on_failure = lambda: os.kill(os.getpid(), signal.SIGTERM)
+        what = "migrating the gallery"
+    else:
+        state = host.state
+        if state.store.read_only:
+            print(
+                f"snca-serve: warning: {state.store.read_only}: serving reads; writes answer "
+                "503 until it is writable again (/readyz reports 503 meanwhile)",
+                file=sys.stderr,
+                flush=True,
+            )
+        what = f"{state.gallery.size()} items, {len(state.gallery.labels)} labels"
     print(
-        f"snca-serve: {state.gallery.size()} items, {len(state.gallery.labels)} labels; "
-        f"listening on http://{settings.host}:{settings.port} (docs at /docs)",
+        f"snca-serve: {what}; listening on http://{settings.host}:{settings.port} (docs at /docs)",
         flush=True,
     )
     uvicorn.run(
@@ -132,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         timeout_graceful_shutdown=30,
     )
+    if host.error is not None:
+        print(f"snca-serve: error: {host.error}", file=sys.stderr)
+        return 1
     return 0
 
 

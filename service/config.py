@@ -8,27 +8,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from embedding.voting import VOTES
+from embedding.votes import VOTES
+
+from .datadir import STORE_FILE, default_data_dir
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SNCA_", env_file=None, extra="ignore")
+    _store_given: bool = PrivateAttr(default=False)
 
-    # artifacts
+    # artifacts (run dir, index dir: build outputs) and the user's gallery (the data dir)
     model: Path = Field(Path("runs/demo"), description="training run dir (model card + weights)")
-    index: Path | None = Field(
-        None, description="index dir built by snca-build-index (default MODEL/index)"
-    )
-    store: Path | None = Field(
-        None,
-        description="the service's gallery store (SQLite, written by the service); created from "
-        "the index dir's store on first start (default DATA_DIR/gallery.sqlite)",
-    )
+    index: Path | None = Field(None, description="snca-build-index's index dir (MODEL/index)")
+    # the service's gallery store (SQLite): a copy of the index dir's store on the first start
+    store: Path | None = Field(None, description="the gallery store (DATA_DIR/gallery.sqlite)")
     data_dir: Path | None = Field(
-        None, description="where the store and index snapshots live (default MODEL/serve)"
+        None,
+        description="the user's gallery: store, snapshots, previous stores; never written by "
+        "training or index builds (default data/<model name>, relative to the working dir)",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
@@ -101,6 +101,13 @@ class Settings(BaseSettings):
     snapshot_every: int = Field(
         1000, ge=0, description="snapshot the index after this many writes (0: only on demand)"
     )
+    migration_batch: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="carrying the gallery to a new model: items re-embedded and committed per "
+        "transaction (a restart resumes after the last one)",
+    )
 
     # security
     api_key: SecretStr | None = Field(
@@ -139,8 +146,14 @@ class Settings(BaseSettings):
             self.api_key = SecretStr(key)
         if self.index is None:
             self.index = self.model / "index"
+        self._store_given = self.store is not None
         if self.data_dir is None:
-            self.data_dir = self.model / "serve"
+            self.data_dir = default_data_dir(self.model)
         if self.store is None:
-            self.store = self.data_dir / "gallery.sqlite"
+            self.store = self.data_dir / STORE_FILE
         return self
+
+    @property
+    def store_is_default(self) -> bool:
+        """The store is DATA_DIR/gallery.sqlite because none was named."""
+        return not self._store_given

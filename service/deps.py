@@ -1,68 +1,95 @@
-"""Dependencies as Annotated aliases (full-stack-fastapi-template style)."""
+"""Dependencies as Annotated aliases (full-stack-fastapi-template style), and the one access
+check every route goes through (GuardedRoute), before its body is read."""
 
 from __future__ import annotations
 
 import hmac
 import json
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import Depends, HTTPException, Request
-from fastapi.security import APIKeyHeader
+from fastapi.routing import APIRoute
 
+from .startup import ServiceHost
 from .state import ServiceState
 
-_key_header = APIKeyHeader(
-    name="X-API-Key", auto_error=False, description="required when SNCA_API_KEY is set"
-)
+Access = Literal["public", "read", "write"]
+ACCESS_KEY = "x-snca-access"  # the OpenAPI extension that carries a route's access level
+KEY_HEADER = "X-API-Key"
+KEY_SCHEME = {
+    "APIKeyHeader": {
+        "type": "apiKey",
+        "in": "header",
+        "name": KEY_HEADER,
+        "description": "required when SNCA_API_KEY is set (on reads only with SNCA_PROTECT_READS)",
+    }
+}
+
+
+def access(level: Access, **openapi: object) -> dict:
+    """openapi_extra of a route with this access level: `write` needs the API key when one is
+    set, `read` only with SNCA_PROTECT_READS, `public` never."""
+    return {ACCESS_KEY: level, **openapi}
+
+
+def check_access(request: Request, level: Access) -> None:
+    """401 unless the request may use a route of `level` (constant-time key compare)."""
+    settings = request.app.state.snca.settings
+    expected = settings.api_key
+    if expected is None or level == "public" or (level == "read" and not settings.protect_reads):
+        return
+    key = request.headers.get(KEY_HEADER)
+    if not hmac.compare_digest((key or "").encode(), expected.get_secret_value().encode()):
+        raise HTTPException(
+            401,
+            f"missing or wrong API key (header {KEY_HEADER})"
+            if key
+            else f"this route needs the API key (header {KEY_HEADER})",
+            headers={"WWW-Authenticate": KEY_HEADER},
+        )
+
+
+class GuardedRoute(APIRoute):
+    """The route class of every router: the access check runs first, before FastAPI reads the
+    body or solves the route's dependencies (a form is never parsed for a request without
+    the key)."""
+
+    def __init__(self, path: str, endpoint, **kwargs):
+        extra = dict(kwargs.get("openapi_extra") or {})
+        self.access: Access = extra.get(ACCESS_KEY, "public")
+        if self.access != "public":
+            extra.setdefault("security", [{"APIKeyHeader": []}])
+        kwargs["openapi_extra"] = extra or None
+        super().__init__(path, endpoint, **kwargs)
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+        if self.access == "public":
+            return handler
+        level = self.access
+
+        async def guarded(request: Request):
+            check_access(request, level)
+            return await handler(request)
+
+        return guarded
+
+
+def ready_state(request: Request) -> ServiceState:
+    """The ServiceState, or 503 (with what start-up is doing) while there is none."""
+    host: ServiceHost = request.app.state.snca
+    if not host.ready:
+        raise HTTPException(503, host.status(), headers={"Retry-After": "5"})
+    return host.state
 
 
 # Dependencies are `async def`: FastAPI runs plain `def` ones in a worker thread, a thread hop
 # per dependency per request (a third of the event loop's time for 28x28 classify).
-def ready_state(request: Request) -> ServiceState:
-    state: ServiceState = request.app.state.snca
-    if not state.ready:
-        raise HTTPException(503, "the service is not ready yet")
-    return state
-
-
 async def get_state(request: Request) -> ServiceState:
     return ready_state(request)
 
 
 StateDep = Annotated[ServiceState, Depends(get_state)]
-
-
-def check_key(state: ServiceState, key: str | None) -> None:
-    expected = state.settings.api_key
-    if expected is None:
-        return
-    given = (key or "").encode()
-    if not hmac.compare_digest(given, expected.get_secret_value().encode()):
-        raise HTTPException(
-            401,
-            "missing or wrong API key (header X-API-Key)"
-            if key
-            else "this route needs the API key (header X-API-Key)",
-            headers={"WWW-Authenticate": "X-API-Key"},
-        )
-
-
-async def require_key(request: Request, key: Annotated[str | None, Depends(_key_header)]) -> None:
-    """Mutating routes: the API key when one is configured (constant-time compare)."""
-    check_key(request.app.state.snca, key)
-
-
-async def require_read_key(
-    request: Request, key: Annotated[str | None, Depends(_key_header)]
-) -> None:
-    """Read routes: the API key only with SNCA_PROTECT_READS."""
-    state = request.app.state.snca
-    if state.settings.protect_reads:
-        check_key(state, key)
-
-
-WriteKey = Annotated[None, Depends(require_key)]
-ReadKey = Annotated[None, Depends(require_read_key)]
 
 
 def parse_metadata(raw: str | None, n: int, limit: int) -> list[dict | None]:

@@ -12,14 +12,11 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from embedding.errors import ArtifactError
-from embedding.inference import (
-    NormalizedInput,
-    autocast_context,
-    fuse_for_shape,
-    optimize_for_cpu,
-)
+from embedding.inference import autocast_context
 from embedding.model import EmbeddingNet, in_space, space_dim
 from embedding.transforms import eval_geometry
+
+from .accel import NormalizedInput, fuse_for_shape, optimize_for_cpu
 
 # What the service accepts, by the format Pillow reads from the bytes (never the filename).
 FORMATS = {
@@ -116,11 +113,6 @@ def load_image(img: Image.Image, name: str = "image") -> tuple[Image.Image, str]
     ) as e:
         raise ImageError(400, f"{name}: cannot be decoded as {FORMATS[fmt]}: {e}") from None
     return img, FORMATS[fmt]
-
-
-def decode_image(data: bytes, max_pixels: int, name: str = "image") -> tuple[Image.Image, str]:
-    """bytes -> (PIL image with EXIF orientation applied, MIME type); see the two halves."""
-    return load_image(open_image(data, max_pixels, name), name)
 
 
 class Embedder:

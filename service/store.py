@@ -37,6 +37,24 @@ class Item:
     embedding: np.ndarray  # (d,) float32
 
 
+@dataclass
+class StoredItem:
+    """An item as stored, every column (what a migration carries to a new store)."""
+
+    id: int
+    label: str
+    source: str
+    metadata: str | None  # JSON text, as stored
+    created_at: str
+    embedding: bytes  # float32 x dim, little-endian
+    image: bytes | None
+    image_type: str | None
+    thumbnail: bytes | None
+
+
+_COLUMNS = "id, label, source, metadata, created_at, embedding, image, image_type, thumbnail"
+
+
 def _blob(v: np.ndarray) -> bytes:
     return np.ascontiguousarray(v, dtype="<f4").tobytes()
 
@@ -45,10 +63,36 @@ def _vec(b: bytes) -> np.ndarray:
     return np.frombuffer(b, dtype="<f4")
 
 
+def on_read_only_fs(path: Path) -> bool:
+    """The store's directory or file cannot be written (EROFS, a `:ro` volume, permissions)."""
+    return not (os.access(path.parent, os.W_OK) and (not path.exists() or os.access(path, os.W_OK)))
+
+
+def open_unwritable(path: Path, shared: bool = False) -> sqlite3.Connection:
+    """Read a store that cannot be written. A WAL database needs its -shm file to be read: with
+    -wal/-shm present (after a crash) SQLite reads them; with neither (after a clean stop) the
+    file alone is the whole store, and `immutable` lets SQLite skip the -shm it cannot create.
+    A -wal without -shm cannot be read safely: refuse, naming the fix."""
+    wal, shm = (path.with_name(path.name + x) for x in ("-wal", "-shm"))
+    has_wal = wal.exists() and wal.stat().st_size > 0
+    if has_wal and not shm.exists():
+        raise ArtifactError(
+            f"gallery store {path} is read-only and has un-merged writes in {wal.name}: "
+            "make its directory writable so SQLite can recover them"
+        )
+    return open_store(path, readonly=True, immutable=not has_wal, shared=shared)
+
+
 class GalleryStore:
-    def __init__(self, path: Path, seed: Path, model_fingerprint: str, index_id: str):
+    def __init__(
+        self, path: Path, seed: Path | None, model_fingerprint: str, index_id: str
+    ) -> None:
+        """Open the store at `path`, created as a copy of `seed` (an index dir's store) when it
+        does not exist; refused unless it belongs to this model and index build."""
         self.path = Path(path)
         if not self.path.exists():
+            if seed is None:
+                raise ArtifactError(f"missing gallery store {self.path}")
             self._seed(seed)
         self._lock = threading.Lock()
         # None while writable; else why not (read-only filesystem): reads go on, writes get 503
@@ -74,8 +118,7 @@ class GalleryStore:
         self.dim = int(meta.get("dim", "0"))
 
     def _on_read_only_fs(self) -> bool:
-        """The store's directory or file cannot be written (EROFS, a `:ro` volume, permissions)."""
-        return not (os.access(self.path.parent, os.W_OK) and os.access(self.path, os.W_OK))
+        return on_read_only_fs(self.path)
 
     def _open_writable(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -90,18 +133,7 @@ class GalleryStore:
         return conn
 
     def _open_read_only(self) -> sqlite3.Connection:
-        """Serve reads from a store that cannot be written. A WAL database needs its -shm file to
-        be read: with -wal/-shm present (after a crash) SQLite reads them; with neither (after a
-        clean stop) the file alone is the whole store, and `immutable` lets SQLite skip the -shm
-        it cannot create. A -wal without -shm cannot be read safely: refuse, naming the fix."""
-        wal, shm = (self.path.with_name(self.path.name + x) for x in ("-wal", "-shm"))
-        has_wal = wal.exists() and wal.stat().st_size > 0
-        if has_wal and not shm.exists():
-            raise ArtifactError(
-                f"gallery store {self.path} is read-only and has un-merged writes in {wal.name}: "
-                "make its directory writable so SQLite can recover them"
-            )
-        conn = open_store(self.path, readonly=True, immutable=not has_wal, shared=True)
+        conn = open_unwritable(self.path, shared=True)
         version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if version[0] != str(STORE_SCHEMA_VERSION):
             conn.close()
@@ -156,15 +188,6 @@ class GalleryStore:
             ).fetchall()
         return [Item(r[0], r[1], r[2], None, _vec(r[4])) for r in rows]
 
-    def item_count(self) -> dict[str, int]:
-        """Live items per source."""
-        with self._lock:
-            return dict(
-                self.conn.execute(
-                    "SELECT source, COUNT(*) FROM items WHERE deleted_seq IS NULL GROUP BY source"
-                )
-            )
-
     def deleted_after(self, seq: int) -> list[tuple[int, str, np.ndarray, int]]:
         """(id, label, embedding, add_seq) of items deleted by a write after `seq`."""
         with self._lock:
@@ -173,36 +196,58 @@ class GalleryStore:
             ).fetchall()
         return [(r[0], r[1], _vec(r[2]), r[3]) for r in rows]
 
-    def items(self, ids: list[int]) -> dict[int, tuple[str, str, dict | None, bool]]:
-        """id -> (label, source, metadata, has a thumbnail) for the live items among `ids`."""
-        out = {}
-        for s in range(0, len(ids), 500):  # SQLite caps the number of bound parameters
+    def _live_rows(self, columns: str, ids: list[int], extra: str = "") -> list[tuple]:
+        """`columns` of the live items among `ids` (chunked: SQLite caps bound parameters)."""
+        out = []
+        for s in range(0, len(ids), 500):
             chunk = [int(i) for i in ids[s : s + 500]]
             q = ",".join("?" * len(chunk))
             with self._lock:
-                rows = self.conn.execute(
-                    f"SELECT id, label, source, metadata, thumbnail IS NOT NULL FROM items "
-                    f"WHERE deleted_seq IS NULL AND id IN ({q})",
+                out += self.conn.execute(
+                    f"SELECT {columns} FROM items WHERE deleted_seq IS NULL{extra} AND id IN ({q})",
                     chunk,
                 ).fetchall()
-            out.update(
-                {r[0]: (r[1], r[2], json.loads(r[3]) if r[3] else None, bool(r[4])) for r in rows}
-            )
         return out
+
+    def items(self, ids: list[int]) -> dict[int, tuple[str, str, dict | None, bool]]:
+        """id -> (label, source, metadata, has a thumbnail) for the live items among `ids`."""
+        rows = self._live_rows("id, label, source, metadata, thumbnail IS NOT NULL", ids)
+        return {r[0]: (r[1], r[2], json.loads(r[3]) if r[3] else None, bool(r[4])) for r in rows}
 
     def with_thumbnails(self, ids: list[int]) -> set[int]:
         """The live items among `ids` (at most a few hundred) that have a thumbnail."""
-        chunk = [int(i) for i in ids[:500]]
-        if not chunk:
-            return set()
-        q = ",".join("?" * len(chunk))
+        return {r[0] for r in self._live_rows("id", ids[:500], " AND thumbnail IS NOT NULL")}
+
+    def added_items(self, after_id: int, limit: int) -> list[StoredItem]:
+        """Live items added through the service with id > `after_id`, in id order, every
+        column (a migration reads the store this way, `limit` at a time)."""
         with self._lock:
             rows = self.conn.execute(
-                f"SELECT id FROM items WHERE deleted_seq IS NULL AND thumbnail IS NOT NULL "
-                f"AND id IN ({q})",
-                chunk,
+                f"SELECT {_COLUMNS} FROM items WHERE source = 'added' AND deleted_seq IS NULL "
+                "AND id > ? ORDER BY id LIMIT ?",
+                (after_id, limit),
             ).fetchall()
-        return {r[0] for r in rows}
+        return [StoredItem(*r) for r in rows]
+
+    def deleted_trained(self) -> list[dict]:
+        """Metadata (dataset, dataset_index) of the trained items deleted through the service."""
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT metadata FROM items WHERE source = 'trained' AND deleted_seq IS NOT NULL"
+            ).fetchall()
+        return [json.loads(r[0]) for r in rows if r[0]]
+
+    def trained_ids_by_source(self) -> dict[tuple, int]:
+        """(dataset, dataset_index) -> id of every live trained item."""
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT id, metadata FROM items WHERE source = 'trained' AND deleted_seq IS NULL"
+            ).fetchall()
+        out = {}
+        for item_id, md in rows:
+            m = json.loads(md) if md else {}
+            out[(m.get("dataset"), m.get("dataset_index"))] = item_id
+        return out
 
     def thumbnail(self, item_id: int) -> bytes | None:
         """The thumbnail of a live item, or None (no such item, deleted, or none kept)."""
@@ -212,22 +257,19 @@ class GalleryStore:
             ).fetchone()
         return None if row is None else row[0]
 
-    def live_ids_of(self, label: str) -> list[int]:
+    def select(self, sql: str, params: tuple = ()) -> list[tuple]:
+        """A read-only query on the store's connection (e.g. a migration's own tables)."""
         with self._lock:
-            return [
-                r[0]
-                for r in self.conn.execute(
-                    "SELECT id FROM items WHERE deleted_seq IS NULL AND label = ?", (label,)
-                )
-            ]
+            return self.conn.execute(sql, params).fetchall()
 
     def integrity_check(self) -> str:
         with self._lock:
             return self.conn.execute("PRAGMA integrity_check").fetchone()[0]
 
     # ------------------------------------------------------------------ writes
-    def _write(self, fn):
-        """Run fn(conn, seq) in one IMMEDIATE transaction with the next sequence number."""
+    def transaction(self, fn):
+        """Run fn(conn, seq) in one IMMEDIATE transaction with the next sequence number;
+        return (seq, fn's result). StoreUnavailable when the store cannot be written."""
         with self._lock:
             self._ensure_writable()
             try:
@@ -242,9 +284,7 @@ class GalleryStore:
                         + 1
                     )
                     result = fn(self.conn, seq)
-                    self.conn.execute(
-                        "UPDATE meta SET value = ? WHERE key = 'last_seq'", (str(seq),)
-                    )
+                    set_meta(self.conn, "last_seq", str(seq))
                     self.conn.execute("COMMIT")
                 except BaseException:
                     self.conn.execute("ROLLBACK")
@@ -268,58 +308,104 @@ class GalleryStore:
         now = utc_now()
 
         def fn(conn, seq):
-            next_id = int(
-                conn.execute("SELECT value FROM meta WHERE key = 'next_id'").fetchone()[0]
-            )
-            ids = list(range(next_id, next_id + len(embeddings)))
-            conn.executemany(
-                "INSERT INTO items (id, label, source, metadata, created_at, embedding, image, "
-                "image_type, thumbnail, add_seq) VALUES (?, ?, 'added', ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (
-                        i,
-                        label,
-                        None if md is None else json.dumps(md, sort_keys=True),
-                        now,
-                        _blob(e),
-                        None if img is None else img[0],
-                        None if img is None else img[1],
-                        th,
-                        seq,
-                    )
-                    for i, e, md, img, th in zip(
-                        ids, embeddings, metadata, images, thumbs, strict=True
-                    )
-                ],
-            )
-            conn.execute(
-                "UPDATE meta SET value = ? WHERE key = 'next_id'", (str(next_id + len(embeddings)),)
-            )
+            ids = allocate_ids(conn, len(embeddings))
+            rows = [
+                StoredItem(
+                    i,
+                    label,
+                    "added",
+                    None if md is None else json.dumps(md, sort_keys=True),
+                    now,
+                    _blob(e),
+                    None if img is None else img[0],
+                    None if img is None else img[1],
+                    th,
+                )
+                for i, e, md, img, th in zip(ids, embeddings, metadata, images, thumbs, strict=True)
+            ]
+            insert_items(conn, rows, seq)
             return ids
 
-        return self._write(fn)
+        return self.transaction(fn)
 
     def delete(self, ids: list[int]) -> tuple[int, list[tuple[int, str, np.ndarray, str]]]:
         """Mark the live items among `ids` deleted; return (seq, [(id, label, embedding, source)])."""
-
-        def fn(conn, seq):
-            out = []
-            for s in range(0, len(ids), 500):  # SQLite caps the number of bound parameters
-                chunk = [int(i) for i in ids[s : s + 500]]
-                q = ",".join("?" * len(chunk))
-                rows = conn.execute(
-                    f"SELECT id, label, embedding, source FROM items "
-                    f"WHERE deleted_seq IS NULL AND id IN ({q})",
-                    chunk,
-                ).fetchall()
-                conn.executemany(
-                    "UPDATE items SET deleted_seq = ? WHERE id = ?", [(seq, r[0]) for r in rows]
-                )
-                out += [(r[0], r[1], _vec(r[2]), r[3]) for r in rows]
-            return out
-
-        return self._write(fn)
+        return self.transaction(lambda conn, seq: mark_deleted(conn, ids, seq))
 
     def close(self) -> None:
         with self._lock:
             self.conn.close()
+
+    def close_as_one_file(self) -> None:
+        """Merge the write-ahead log into the database file, leave WAL mode and close: the store
+        is then one self-contained file, safe to rename (a -wal beside another file would be
+        read as that file's log)."""
+        with self._lock:
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            mode = self.conn.execute("PRAGMA journal_mode=DELETE").fetchone()[0]
+            self.conn.close()
+        if mode != "delete":
+            raise StoreUnavailable(f"{self.path} is still in use elsewhere (journal mode {mode})")
+
+
+# ---------------------------------------------------------------------- inside a transaction
+def allocate_ids(conn: sqlite3.Connection, n: int) -> list[int]:
+    """The next `n` item ids (meta 'next_id' moves past them)."""
+    next_id = int(conn.execute("SELECT value FROM meta WHERE key = 'next_id'").fetchone()[0])
+    set_meta(conn, "next_id", str(next_id + n))
+    return list(range(next_id, next_id + n))
+
+
+def insert_items(conn: sqlite3.Connection, items: list[StoredItem], seq: int) -> None:
+    """Insert `items` as added by write `seq`."""
+    conn.executemany(
+        f"INSERT INTO items ({_COLUMNS}, add_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            (
+                it.id,
+                it.label,
+                it.source,
+                it.metadata,
+                it.created_at,
+                it.embedding,
+                it.image,
+                it.image_type,
+                it.thumbnail,
+                seq,
+            )
+            for it in items
+        ],
+    )
+
+
+def mark_deleted(
+    conn: sqlite3.Connection, ids: list[int], seq: int
+) -> list[tuple[int, str, np.ndarray, str]]:
+    """Mark the live items among `ids` deleted by write `seq`; (id, label, embedding, source)
+    of each."""
+    out = []
+    for s in range(0, len(ids), 500):  # SQLite caps the number of bound parameters
+        chunk = [int(i) for i in ids[s : s + 500]]
+        q = ",".join("?" * len(chunk))
+        rows = conn.execute(
+            f"SELECT id, label, embedding, source FROM items "
+            f"WHERE deleted_seq IS NULL AND id IN ({q})",
+            chunk,
+        ).fetchall()
+        conn.executemany(
+            "UPDATE items SET deleted_seq = ? WHERE id = ?", [(seq, r[0]) for r in rows]
+        )
+        out += [(r[0], r[1], _vec(r[2]), r[3]) for r in rows]
+    return out
+
+
+def set_meta(conn: sqlite3.Connection, key: str, value: str | None) -> None:
+    """Set (or, with None, remove) a meta key."""
+    if value is None:
+        conn.execute("DELETE FROM meta WHERE key = ?", (key,))
+    else:
+        conn.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) "
+            "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (key, value),
+        )

@@ -11,13 +11,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ..deps import check_key, ready_state
+from embedding.votes import VOTES
+
+from ..deps import GuardedRoute, access, ready_state
 from ..gallery import Classification
 from ..multipart import FormError, file_parts, is_multipart
 from ..schemas import BatchResult, ClassifyResult, ErrorBody
 from ..state import ServiceState
 
-router = APIRouter(tags=["classify"])
+router = APIRouter(tags=["classify"], route_class=GuardedRoute)
 
 ERRORS = {
     400: {"model": ErrorBody, "description": "undecodable image"},
@@ -36,7 +38,7 @@ class ClassifyQuery(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     k: int | None = Field(None, ge=1, le=1000, description="neighbours that vote (default SNCA_K)")
-    vote: Literal["knn", "prototype", "kde"] | None = Field(
+    vote: Literal[VOTES] | None = Field(  # every rule of embedding.votes.RULES
         None,
         description="voting rule (default SNCA_VOTE): knn (the paper's), prototype, "
         "kde (density-aware)",
@@ -62,9 +64,10 @@ def _docs(field: str, many: bool) -> dict:
         else "PNG, JPEG, WebP, BMP, TIFF or GIF; grey or colour"
     )
     prop = {"type": "array", "items": binary} if many else binary
-    return {
+    return access(
+        "read",
         **_QUERY_DOCS,
-        "requestBody": {
+        requestBody={
             "required": True,
             "content": {
                 "multipart/form-data": {
@@ -76,7 +79,7 @@ def _docs(field: str, many: bool) -> dict:
                 }
             },
         },
-    }
+    )
 
 
 _QUERY_DOCS = {
@@ -96,12 +99,10 @@ _QUERY_DOCS = {
 
 
 def read_query(request: Request) -> tuple[ServiceState, int, str, tuple | None, bool]:
-    """The ready state (503 otherwise), the read key check, and the validated query (422 in
-    FastAPI's own error format otherwise) with the defaults applied: (state, k, vote, labels
-    filter as a sorted tuple or None (404 for an unknown label), neighbors)."""
+    """The ready state (503 otherwise) and the validated query (422 in FastAPI's own error
+    format otherwise) with the defaults applied: (state, k, vote, labels filter as a sorted
+    tuple or None (404 for an unknown label), neighbors)."""
     state = ready_state(request)
-    if state.settings.protect_reads:
-        check_key(state, request.headers.get("x-api-key"))
     qp = request.query_params
     raw = {k: v for k, v in qp.items() if k != "labels"}
     if "labels" in qp:
@@ -114,7 +115,7 @@ def read_query(request: Request) -> tuple[ServiceState, int, str, tuple | None, 
     labels = q.labels
     if labels is not None:
         labels = tuple(sorted({lab for lab in labels if lab}))
-        missing = [lab for lab in labels if lab not in state.gallery.label_id]
+        missing = [lab for lab in labels if not state.gallery.has_label(lab)]
         if missing:
             raise HTTPException(404, f"unknown labels in the filter: {', '.join(missing)}")
     return state, q.k or state.settings.k, q.vote or state.settings.vote, labels, q.neighbors
@@ -178,53 +179,63 @@ async def read_uploads(request: Request, field: str, max_files: int) -> list[byt
     return got
 
 
-@router.post(
-    "/classify",
-    response_model=ClassifyResult,
-    responses=ERRORS,
-    response_model_exclude_none=True,
-    summary="Classify one image by its neighbours in the gallery",
-    openapi_extra=_docs("image", many=False),
-)
+async def answers(state: ServiceState, prepared: list, query: tuple) -> list[dict]:
+    """Classify prepared uploads (one job each on the batcher) -> ClassifyResult dicts, in
+    order, with the metrics counted and the neighbours' thumbnail URLs when asked."""
+    k, vote_name, labels, neighbors = query
+    rt = state.runtime
+    if len(prepared) == 1:  # the common request: no gather (a task per job)
+        cs = [await rt.classify(prepared[0], vote_name, k, labels, neighbors)]
+    else:
+        cs = await asyncio.gather(
+            *[rt.classify(p, vote_name, k, labels, neighbors) for p in prepared]
+        )
+    state.metrics.classified.labels(vote_name).inc(len(cs))
+    out = [result(state, c, vote_name, k, neighbors) for c in cs]
+    unknown = sum(r["unknown"] for r in out)
+    if unknown:
+        state.metrics.unknown.inc(unknown)
+    if neighbors:
+        await add_thumbnail_urls(state, out)
+    return out
+
+
+def _classify_route(path: str, model: type, field: str):
+    """router.post for a classify route reading multipart `field` ("images": several); its
+    docstring's first line is the summary."""
+
+    def register(fn):
+        return router.post(
+            path,
+            response_model=model,
+            responses=ERRORS,
+            response_model_exclude_none=True,
+            summary=fn.__doc__.strip().splitlines()[0],
+            openapi_extra=_docs(field, many=field == "images"),
+        )(fn)
+
+    return register
+
+
+@_classify_route("/classify", ClassifyResult, "image")
 async def classify(request: Request):
-    state, k, vote_name, labels, neighbors = read_query(request)
+    """Classify one image by its neighbours in the gallery"""
+    state, *query = read_query(request)
     data = await read_uploads(request, "image", 1)
     if len(data) > 1:
         raise HTTPException(422, f"{len(data)} files in field image; /classify/batch takes several")
-    (p,) = await state.prepare_async(data, ["image"])
-    c = await state.classify(p, vote_name, k, labels, neighbors)
-    state.metrics.classified.labels(vote_name).inc()
-    r = result(state, c, vote_name, k, neighbors)
-    if r["unknown"]:
-        state.metrics.unknown.inc()
-    if neighbors:
-        await add_thumbnail_urls(state, [r])
+    (r,) = await answers(state, await state.runtime.prepare_async(data, ["image"]), query)
     return JSONResponse(r)
 
 
-@router.post(
-    "/classify/batch",
-    response_model=BatchResult,
-    responses=ERRORS,
-    response_model_exclude_none=True,
-    summary="Classify several images; one result per image, in order",
-    openapi_extra=_docs("images", many=True),
-)
+@_classify_route("/classify/batch", BatchResult, "images")
 async def classify_batch(request: Request):
-    state, k, vote_name, labels, neighbors = read_query(request)
-    datas = await read_uploads(request, "images", state.settings.max_images_per_request)
-    if len(datas) > state.settings.max_images_per_request:
-        raise HTTPException(
-            413,
-            f"{len(datas)} images; the limit is {state.settings.max_images_per_request} per request",
-        )
-    prepared = await state.prepare_async(datas, [f"images[{i}]" for i in range(len(datas))])
-    cs = await asyncio.gather(
-        *[state.classify(p, vote_name, k, labels, neighbors) for p in prepared]
-    )
-    state.metrics.classified.labels(vote_name).inc(len(cs))
-    out = [result(state, c, vote_name, k, neighbors) for c in cs]
-    state.metrics.unknown.inc(sum(r["unknown"] for r in out))
-    if neighbors:
-        await add_thumbnail_urls(state, out)
-    return JSONResponse({"results": out})
+    """Classify several images; one result per image, in order"""
+    state, *query = read_query(request)
+    limit = state.settings.max_images_per_request
+    datas = await read_uploads(request, "images", limit)
+    if len(datas) > limit:
+        raise HTTPException(413, f"{len(datas)} images; the limit is {limit} per request")
+    names = [f"images[{i}]" for i in range(len(datas))]
+    prepared = await state.runtime.prepare_async(datas, names)
+    return JSONResponse({"results": await answers(state, prepared, query)})

@@ -11,10 +11,10 @@ from starlette.concurrency import run_in_threadpool
 
 from embedding.thumbnails import thumbnail_mime
 
-from ..deps import ReadKey, StateDep, WriteKey, check_label, parse_metadata
+from ..deps import GuardedRoute, StateDep, access, check_label, parse_metadata
 from ..schemas import AddResult, DeleteResult, ErrorBody, LabelInfo, LabelsResult
 
-router = APIRouter(prefix="/gallery", tags=["gallery"])
+router = APIRouter(prefix="/gallery", tags=["gallery"], route_class=GuardedRoute)
 
 # Ids are SQLite integers (64-bit): a larger number is a 422, not an overflow deeper down.
 ItemId = Annotated[int, Path(ge=0, le=2**63 - 1, description="gallery item id")]
@@ -36,10 +36,10 @@ WRITE_ERRORS = {
     response_model=AddResult,
     responses=WRITE_ERRORS,
     summary="Register images under a label (new or existing); classifiable on return",
+    openapi_extra=access("write"),
 )
 async def add(
     state: StateDep,
-    _: WriteKey,
     label: Annotated[
         str, Form(description="label name: printable text, at most SNCA_MAX_LABEL_LENGTH")
     ],
@@ -63,22 +63,26 @@ async def add(
         )
     md = parse_metadata(metadata, len(images), s.max_metadata_bytes)
     datas = [await f.read() for f in images]
-    prepared = await state.prepare_async(
+    prepared = await state.runtime.prepare_async(
         datas, [f"images[{i}]" for i in range(len(datas))], thumbnails=s.thumbnails
     )
-    emb = np.stack(await asyncio.gather(*[state.embed(p) for p in prepared]))
+    emb = np.stack(await asyncio.gather(*[state.runtime.embed(p) for p in prepared]))
     stored = [
         (p.data, p.mime) if s.store_images and len(p.data) <= s.max_stored_image_bytes else None
         for p in prepared
     ]
     thumbs = [p.thumbnail for p in prepared]
     ids, seq = await run_in_threadpool(state.add, label, emb, md, stored, thumbs)
-    count = int(state.gallery.counts[state.gallery.label_id[label]])
-    return AddResult(ids=ids, label=label, count=count, gallery_version=seq)
+    return AddResult(ids=ids, label=label, count=state.gallery.count_of(label), gallery_version=seq)
 
 
-@router.get("/labels", response_model=LabelsResult, summary="Labels with their live item counts")
-async def labels(state: StateDep, _: ReadKey):
+@router.get(
+    "/labels",
+    response_model=LabelsResult,
+    summary="Labels with their live item counts",
+    openapi_extra=access("read"),
+)
+async def labels(state: StateDep):
     rows = state.gallery.label_table()
     out = []
     for name, count, added in rows:
@@ -89,34 +93,36 @@ async def labels(state: StateDep, _: ReadKey):
     )
 
 
-@router.delete(
-    "/labels/{label:path}",
-    response_model=DeleteResult,
-    responses=WRITE_ERRORS | {404: {"model": ErrorBody}},
-    summary="Delete every item of a label",
-)
-async def delete_label(state: StateDep, _: WriteKey, label: str):
-    ids = state.gallery.ids_of(label)
-    if not ids:
-        raise HTTPException(404, f"no label {label!r} in the gallery")
-    rows, seq = await run_in_threadpool(state.delete, ids)
+def _delete_route(path: str, summary: str):
+    return router.delete(
+        path,
+        response_model=DeleteResult,
+        responses=WRITE_ERRORS | {404: {"model": ErrorBody}},
+        summary=summary,
+        openapi_extra=access("write"),
+    )
+
+
+async def _delete(state, ids: list[int], label: str | None, what: str) -> DeleteResult:
+    """Delete the live items among `ids` (404 naming `what` when there are none)."""
+    rows = []
+    if ids:
+        rows, seq = await run_in_threadpool(state.delete, ids)
+    if not rows:
+        raise HTTPException(404, f"no {what} in the gallery")
     return DeleteResult(deleted=sorted(r[0] for r in rows), label=label, gallery_version=seq)
 
 
-@router.delete(
-    "/items/{item_id}",
-    response_model=DeleteResult,
-    responses=WRITE_ERRORS | {404: {"model": ErrorBody}},
-    summary="Delete one item",
-)
-async def delete_item(state: StateDep, _: WriteKey, item_id: ItemId):
+@_delete_route("/labels/{label:path}", "Delete every item of a label")
+async def delete_label(state: StateDep, label: str):
+    return await _delete(state, state.gallery.ids_of(label), label, f"label {label!r}")
+
+
+@_delete_route("/items/{item_id}", "Delete one item")
+async def delete_item(state: StateDep, item_id: ItemId):
     label = state.gallery.label_of_id(item_id)
-    if label is None:
-        raise HTTPException(404, f"no item {item_id} in the gallery")
-    rows, seq = await run_in_threadpool(state.delete, [item_id])
-    if not rows:
-        raise HTTPException(404, f"no item {item_id} in the gallery")
-    return DeleteResult(deleted=[item_id], label=label, gallery_version=seq)
+    ids = [] if label is None else [item_id]
+    return await _delete(state, ids, label, f"item {item_id}")
 
 
 @router.get(
@@ -127,8 +133,9 @@ async def delete_item(state: StateDep, _: WriteKey, item_id: ItemId):
     },
     response_class=Response,
     summary="A gallery item's thumbnail (cacheable: ids are never reused)",
+    openapi_extra=access("read"),
 )
-async def thumbnail(state: StateDep, _: ReadKey, item_id: ItemId):
+async def thumbnail(state: StateDep, item_id: ItemId):
     data = await run_in_threadpool(state.store.thumbnail, item_id)
     if data is None:
         raise HTTPException(404, f"no thumbnail for item {item_id}")

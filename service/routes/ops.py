@@ -6,10 +6,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..deps import StateDep, WriteKey
+from ..deps import GuardedRoute, StateDep, access
 from ..schemas import ErrorBody, SnapshotResult
 
-router = APIRouter(tags=["operations"])
+router = APIRouter(tags=["operations"], route_class=GuardedRoute)
 
 
 @router.get("/healthz", summary="The process is alive")
@@ -19,9 +19,13 @@ async def healthz():
 
 @router.get("/readyz", summary="Model and index loaded, store writable")
 async def readyz(request: Request):
-    state = request.app.state.snca
-    if not state.ready:
-        return JSONResponse({"status": "starting"}, status_code=503)
+    host = request.app.state.snca
+    if not host.ready:
+        body = {"status": host.phase, "detail": host.status()}
+        if host.phase == "migrating":
+            body["migrated"], body["total"] = host.progress
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+    state = host.state
     writable = state.store_writable()
     body = {
         "status": "ready" if writable else "degraded",
@@ -29,7 +33,10 @@ async def readyz(request: Request):
         "items": state.gallery.size(),
         "gallery_version": state.gallery.version,
         "store_writable": writable,
+        "data_dir": str(state.data.path),
     }
+    if state.migration is not None:
+        body["migration"] = state.migration.to_dict()
     if not writable:
         body["store_error"] = (
             state.last_write_error or state.store.read_only or "store path is not writable"
@@ -56,7 +63,8 @@ async def metrics(request: Request):
         401: {"model": ErrorBody, "description": "missing or wrong API key"},
         503: {"model": ErrorBody, "description": "the snapshot cannot be written"},
     },
+    openapi_extra=access("write"),
 )
-async def snapshot(state: StateDep, _: WriteKey):
+async def snapshot(state: StateDep):
     seq, path = await run_in_threadpool(state.snapshot)
     return SnapshotResult(seq=seq, path=str(path))

@@ -7,31 +7,30 @@ from typing import Annotated
 from fastapi import APIRouter, File, HTTPException, Query, UploadFile
 from starlette.concurrency import run_in_threadpool
 
-from ..deps import ReadKey, StateDep
+from ..deps import GuardedRoute, StateDep, access
 from ..schemas import SearchItem, SearchResult
 from .classify import ERRORS, thumbnail_url
 
-router = APIRouter(tags=["search"])
+router = APIRouter(tags=["search"], route_class=GuardedRoute)
 
 
 @router.post(
-    "/search", response_model=SearchResult, responses=ERRORS, summary="Most similar gallery items"
+    "/search", responses=ERRORS, summary="Most similar gallery items", openapi_extra=access("read")
 )
 async def search(
     state: StateDep,
-    _: ReadKey,
     image: Annotated[UploadFile, File(description="query image")],
     k: Annotated[int, Query(ge=1, le=1000, description="items to return")] = 10,
     label: Annotated[
         list[str] | None, Query(description="only items of these labels (repeatable)")
     ] = None,
-):
+) -> SearchResult:
     if label:
-        missing = [lab for lab in label if lab not in state.gallery.label_id]
+        missing = [lab for lab in label if not state.gallery.has_label(lab)]
         if missing:
             raise HTTPException(404, f"unknown labels in the filter: {', '.join(missing)}")
-    (p,) = await state.prepare_async([await image.read()], ["image"])
-    q = (await state.embed(p))[None, :]
+    (p,) = await state.runtime.prepare_async([await image.read()], ["image"])
+    q = (await state.runtime.embed(p))[None, :]
     sims, ids, _names = await run_in_threadpool(state.gallery.search, q, k, label or None)
     hits = (
         [(int(i), float(s)) for i, s in zip(ids[0], sims[0], strict=True) if i >= 0]

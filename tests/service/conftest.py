@@ -76,18 +76,23 @@ class Server:
     def __init__(
         self,
         run: Path,
-        data_dir: Path,
+        data_dir: Path | None,
         env: dict | None = None,
         *extra,
         prefix: tuple[str, ...] = (),
-        wait_for: str = "/readyz",
+        wait_for: str | None = "/readyz",
+        cwd: Path | None = None,
+        timeout: float = 60,
     ):
-        """`prefix`: a command the server runs under (it must exec it, keeping the pid);
-        `wait_for`: the route that must answer 200 before the server counts as started."""
+        """`data_dir` None: the default one (data/<model name> under `cwd`); `prefix`: a
+        command the server runs under (it must exec it, keeping the pid); `wait_for`: the route
+        that must answer 200 before the server counts as started (None: only listening)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(data_dir.parent / f"server-{self.port}.log", "w")  # noqa: SIM115 (closed in kill)
+        logs = data_dir.parent if data_dir is not None else cwd
+        self.log = open(logs / f"server-{self.port}.log", "w")  # noqa: SIM115 (closed in kill)
         full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        where = [] if data_dir is None else ["--data-dir", str(data_dir)]
         self.proc = subprocess.Popen(
             [
                 *prefix,
@@ -96,8 +101,7 @@ class Server:
                 "service",
                 "--model",
                 str(run),
-                "--data-dir",
-                str(data_dir),
+                *where,
                 "--port",
                 str(self.port),
                 *extra,
@@ -105,13 +109,18 @@ class Server:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=full_env,
+            cwd=cwd,
         )
-        deadline = time.time() + 60
+        self.wait(wait_for or "/healthz", timeout)
+
+    def wait(self, route: str = "/readyz", timeout: float = 60) -> None:
+        """Until `route` answers 200 (RuntimeError with the log if the server exits first)."""
+        deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.read_log()}")
             try:
-                if httpx.get(self.url + wait_for, timeout=1).status_code == 200:
+                if httpx.get(self.url + route, timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -127,3 +136,31 @@ class Server:
             self.proc.send_signal(sig)
             self.proc.wait(timeout=30)
         self.log.close()
+
+
+def replaced_model(run: Path, out: Path, seed: int = 1) -> Path:
+    """A copy of run dir `run` whose weights are perturbed (a new fingerprint: what a retrain
+    gives the service, without the minutes of one), with its memory bank re-saved for them and
+    a fresh index dir (out/index)."""
+    import shutil
+
+    import torch
+
+    from embedding import save_memory_bank, save_model
+    from embedding.rundir import RunDir
+    from index_builder.build import BuildConfig, build
+
+    src = RunDir(run)
+    out.mkdir(parents=True)
+    for name in (RunDir.CONFIG, RunDir.DATASET):
+        shutil.copyfile(src.file(name), out / name)
+    model = src.load_model()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    fp = save_model(model, out)
+    mem = src.load_memory()
+    save_memory_bank(RunDir(out).memory, mem.embeddings, mem.labels, mem.indices, fp)
+    build(BuildConfig(run_dir=out, out=out / "index", progress=False), log=lambda m: None)
+    return out

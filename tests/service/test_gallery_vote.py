@@ -1,14 +1,14 @@
-"""The compiled kde path (embedding.voting.kde_top, one call per batch) gives what the
-step-by-step path gives, in the gallery states the service meets: all rows live, deleted rows
-not yet compacted, a label emptied by deletes, labels added later."""
+"""The compiled kde path (service.gallery.compiled.kde_top, one call per batch) gives what the
+step-by-step path (embedding.votes.Kde) gives, in the gallery states the service meets: all
+rows live, deleted rows not yet compacted, a label emptied by deletes, labels added later."""
 
 import faiss
 import numpy as np
 import pytest
 import torch
 
-import service.gallery as gallery_mod
-from service.gallery import Gallery
+import service.gallery.gallery as gallery_mod
+from service.gallery import Gallery, VectorIndex
 
 DIM = 16
 
@@ -19,7 +19,7 @@ def _unit(rng, n):
 
 
 def _gallery(rng) -> Gallery:
-    g = Gallery(faiss.IndexIDMap2(faiss.IndexFlatIP(DIM)), {}, DIM, temperature=0.05)
+    g = Gallery(VectorIndex(faiss.IndexIDMap2(faiss.IndexFlatIP(DIM)), {}), DIM, temperature=0.05)
     next_id = 0
     for seq, (label, n) in enumerate((("a", 300), ("b", 200), ("c", 5), ("d", 40)), start=1):
         centre = _unit(rng, 1)
@@ -61,17 +61,31 @@ def test_compiled_kde_matches_the_step_by_step_rule(monkeypatch):
 
     # deleted rows (fewer than compaction needs: they stay in the matrix, masked) and a label
     # emptied by deletes, whose probability must be 0 and never in the top list
-    rows = [(i, "a", g._emb[g._row_of[i]].copy(), "trained") for i in range(0, 300, 3)]
-    rows += [(i, "c", g._emb[g._row_of[i]].copy(), "trained") for i in range(500, 505)]
+    vec = g.rows.vector
+    rows = [(i, "a", vec(i), "trained") for i in range(0, 300, 3)]
+    rows += [(i, "c", vec(i), "trained") for i in range(500, 505)]
     g.apply_delete(rows, seq=10)
-    assert g._rows == 545 and not g._row_label[:545].min() >= 0
-    q = np.concatenate([_unit(rng, 4), g._emb[[g._row_of[1]]]])  # + a live gallery item
+    assert g.rows.n == 545 and not g.rows.labels.min() >= 0
+    q = np.concatenate([_unit(rng, 4), vec(1)[None, :]])  # + a live gallery item
     _compare(g, q)
     assert all("c" not in [lab for lab, _ in r.probabilities] for r in g.classify(q, "kde", 30))
     # a deleted item's own vector: its best similarity is no longer 1
-    dead = g._emb[[g._row_of.get(0, 0)]] if 0 in g._row_of else rows[0][2][None, :]
-    assert g.classify(dead, "kde", 30)[0].best_similarity < 0.999
+    assert vec(0) is None
+    assert g.classify(rows[0][2][None, :], "kde", 30)[0].best_similarity < 0.999
 
     g.apply_add([900, 901], "e", _unit(rng, 2), seq=11)  # a label added at run time
-    _compare(g, np.concatenate([_unit(rng, 2), g._emb[[g._row_of[900]]]]))
-    assert g.classify(g._emb[[g._row_of[901]]], "kde", 30)[0].best_similarity > 0.999
+    _compare(g, np.concatenate([_unit(rng, 2), vec(900)[None, :]]))
+    assert g.classify(vec(901)[None, :], "kde", 30)[0].best_similarity > 0.999
+
+
+def test_every_rule_answers_when_no_item_qualifies():
+    """A label filter whose labels were emptied by deletes: no label, no error, every rule."""
+    rng = np.random.default_rng(1)
+    g = _gallery(rng)
+    g.apply_delete([(i, "c", g.rows.vector(i), "added") for i in range(500, 505)], seq=10)
+    q = _unit(rng, 3)
+    for vote in ("knn", "prototype", "kde"):
+        for neighbors in (False, True):
+            res = g.classify(q, vote, 30, labels=["c"], neighbors=neighbors)
+            assert [r.label for r in res] == [None] * 3, vote
+            assert all(r.neighbors == [] for r in res)

@@ -10,7 +10,8 @@ from PIL import Image
 from embedding import load_model
 from service.config import Settings
 from service.embedder import Embedder
-from service.state import Job, ServiceState
+from service.runtime import Job
+from service.startup import ServiceHost
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,8 @@ def test_stack_pixels_keeps_each_image_in_its_row(embedder):
 def test_run_batch_matches_one_by_one(base_run, tmp_path):
     """A batch of classify and embed jobs: each result as if run alone, and embed rows that
     later batches do not overwrite (they must not be views of the reused input/output)."""
-    st = ServiceState(Settings(model=base_run, data_dir=tmp_path))
-    st.start()
+    host = ServiceHost(Settings(model=base_run, data_dir=tmp_path))
+    st = host.finish().runtime
     try:
         px = [st.embedder.pixels(Image.fromarray(a)) for a in _images(3, seed=5)]
         params = ("kde", 30, None, False)
@@ -66,4 +67,4 @@ def test_run_batch_matches_one_by_one(base_run, tmp_path):
             assert out[i].label == alone[i].label
             assert out[i].confidence == pytest.approx(alone[i].confidence, abs=1e-5)
     finally:
-        st.stop()
+        host.stop()

@@ -32,10 +32,11 @@ def img(raw, i):
 
 def test_start_up_warms_the_vote_caches(client):
     """The first request does not build the gallery's kde caches or compile the vote."""
-    from embedding.voting import scripted_kde_top
+    from service.gallery.compiled import scripted_kde_top
 
-    g = client.app.state.snca.gallery
-    assert g._cache is not None and g._cache[0] == (g._epoch, len(g.labels))
+    g = client.app.state.snca.state.gallery
+    snap = g._snapshot  # the unfiltered view, built at start-up and still current
+    assert snap is not None and (snap.epoch, snap.num_labels) == (g.rows.epoch, len(g.labels))
     assert scripted_kde_top.cache_info().currsize == 1
 
 
@@ -382,12 +383,12 @@ def test_upload_limit(base_run, tmp_path, fmnist_test):
 def test_store_unavailable_answers_503_and_changes_nothing(client, fmnist_test, monkeypatch):
     from service.store import StoreUnavailable
 
-    state = client.app.state.snca
+    state = client.app.state.snca.state
 
     def full(*a, **k):
         raise StoreUnavailable("the gallery store cannot be written: database or disk is full")
 
-    monkeypatch.setattr(state.store, "_write", full)
+    monkeypatch.setattr(state.store, "transaction", full)
     before = client.get("/gallery/labels").json()
     r = client.post(
         "/gallery/add",

@@ -1,0 +1,275 @@
+"""The in-memory gallery: the FAISS index (VectorIndex: search, kNN neighbours), the dense rows
+and per-label statistics (Rows, LabelStats), and the vote rules (embedding.votes) over them.
+
+A write is applied here only after the store committed it; readers share a lock that a write
+takes exclusively, so no reader ever sees a half-applied write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from embedding.votes import RULES, GalleryView, Kde, Neighbors, VoteRule
+
+from ..store import Item
+from .compiled import scripted_kde_top
+from .lock import RWLock
+from .rows import LabelStats, Rows
+from .vectors import VectorIndex
+
+# The rules are stateless: one instance each.
+_RULES: dict[str, VoteRule] = {name: cls() for name, cls in RULES.items()}
+
+
+@dataclass
+class Classification:
+    label: str | None
+    confidence: float
+    probabilities: list[tuple[str, float]]  # top 5
+    best_similarity: float
+    neighbors: list[tuple[int, str, float]]
+
+
+@dataclass
+class Snapshot:
+    """The rows as every unfiltered classify reads them, kept until they change."""
+
+    epoch: int  # Rows.epoch it was made at
+    num_labels: int
+    view: GalleryView  # tensors over the rows (the embeddings are a view, not a copy)
+    live: torch.Tensor | None  # (n,) bool, None when every row is live
+    any_live: bool
+
+
+class Gallery:
+    def __init__(self, vectors: VectorIndex, dim: int, temperature: float):
+        self.vectors = vectors
+        self.dim = dim
+        self.temperature = temperature
+        self.lock = RWLock()
+        self.version = 0  # last store write applied
+        self.rows = Rows(dim)
+        self.stats = LabelStats(dim)
+        self._snapshot: Snapshot | None = None
+
+    # ------------------------------------------------------------------ writes (store first)
+    def load_items(self, items: list[Item]) -> None:
+        """Rows and label statistics from every live item of the store (start-up); the index
+        already holds them (built, or a snapshot brought up to date)."""
+        by_label: dict[str, list[Item]] = {}
+        for it in items:
+            by_label.setdefault(it.label, []).append(it)
+        with self.lock.write():
+            for name in sorted(by_label):
+                group = by_label[name]
+                c = self.stats.id_of(name)
+                emb = np.stack([it.embedding for it in group]).astype(np.float32)
+                self.rows.append(np.array([it.id for it in group], dtype=np.int64), c, emb)
+                self.stats.add(c, emb, sum(it.source == "added" for it in group))
+
+    def apply_add(self, ids: list[int], label: str, emb: np.ndarray, seq: int) -> None:
+        """Items the store committed as write `seq` (added through the service)."""
+        with self.lock.write():
+            idarr = np.asarray(ids, dtype=np.int64)
+            self.vectors.add(idarr, emb)
+            c = self.stats.id_of(label)
+            self.rows.append(idarr, c, emb)
+            self.stats.add(c, emb, len(ids))
+            self.version = max(self.version, seq)
+
+    def apply_delete(self, rows: list[tuple[int, str, np.ndarray, str]], seq: int) -> None:
+        """rows: (id, label, embedding, source) of items the store marked deleted by `seq`."""
+        with self.lock.write():
+            self.vectors.remove(np.array([r[0] for r in rows], dtype=np.int64))
+            for item_id, _label, emb, source in rows:
+                c = self.rows.kill(item_id)
+                if c is not None:
+                    self.stats.remove(c, emb, source == "added")
+            self.rows.compact()
+            self.version = max(self.version, seq)
+
+    # ------------------------------------------------------------------ reads
+    def size(self) -> int:
+        return int(self.stats.counts.sum())
+
+    def added_size(self) -> int:
+        return int(self.stats.added.sum())
+
+    @property
+    def labels(self) -> list[str]:
+        """Every label name seen, in label-id order (some may have no items left)."""
+        return self.stats.names
+
+    def has_label(self, name: str) -> bool:
+        return name in self.stats.ids
+
+    def count_of(self, label: str) -> int:
+        c = self.stats.ids.get(label)
+        return 0 if c is None else int(self.stats.counts[c])
+
+    def label_table(self) -> list[tuple[str, int, int]]:
+        """(label, live count, added count) for labels with items, by label name."""
+        with self.lock.read():
+            return self.stats.table()
+
+    def ids_of(self, label: str) -> list[int]:
+        with self.lock.read():
+            c = self.stats.ids.get(label)
+            return [] if c is None else self.rows.ids_with(np.array([c])).tolist()
+
+    def label_of_id(self, item_id: int) -> str | None:
+        with self.lock.read():
+            return self._name(self.rows.label_of(item_id))
+
+    def _name(self, label_id: int) -> str | None:
+        return None if label_id < 0 else self.stats.names[label_id]
+
+    def _allowed(self, labels: list[str] | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(allowed ids, allowed label ids) for a label filter; (None, None) without one."""
+        if labels is None:
+            return None, None
+        cs = np.array([self.stats.ids[n] for n in labels if n in self.stats.ids], dtype=np.int64)
+        return self.rows.ids_with(cs), cs
+
+    def search(self, q: np.ndarray, k: int, labels: list[str] | None = None):
+        """q (B, d) -> sims (B, k'), ids (B, k'), label names per hit (k' <= k; -1 padded)."""
+        with self.lock.read():
+            allowed, _ = self._allowed(labels)
+            kk = min(k, self.size() if allowed is None else len(allowed))
+            if kk <= 0:
+                return np.full((len(q), 0), -1.0), np.full((len(q), 0), -1), []
+            sims, ids = self.vectors.search(q, kk, allowed)
+            names = [[self._name(self.rows.label_of(i)) for i in row] for row in ids]
+            return sims, ids, names
+
+    def _unfiltered(self) -> Snapshot:
+        """The view every unfiltered classify needs, rebuilt only when the rows changed."""
+        s = self._snapshot
+        if s is not None and s.epoch == self.rows.epoch and s.num_labels == len(self.stats):
+            return s
+        labels = self.rows.labels
+        live = labels >= 0
+        view = GalleryView(
+            torch.from_numpy(self.rows.embeddings),  # a view: the matrix is replaced to grow
+            torch.from_numpy(labels.copy()),
+            torch.from_numpy(self.stats.sums.copy()),
+            torch.from_numpy(self.stats.counts.copy()),
+            self.temperature,
+        )
+        all_live = bool(live.all())
+        s = Snapshot(
+            self.rows.epoch,
+            len(self.stats),
+            view,
+            None if all_live else torch.from_numpy(live),
+            bool(live.any()),
+        )
+        self._snapshot = s
+        return s
+
+    def _filtered(self, allowed_labels: np.ndarray) -> tuple[GalleryView, torch.Tensor, bool]:
+        """A view in which labels outside `allowed_labels` have no items."""
+        labels = self.rows.labels
+        labels = np.where(np.isin(labels, allowed_labels), labels, -1)
+        counts = self.stats.counts.copy()
+        counts[~np.isin(np.arange(len(counts)), allowed_labels)] = 0
+        view = GalleryView(
+            torch.from_numpy(self.rows.embeddings),
+            torch.from_numpy(labels),
+            torch.from_numpy(self.stats.sums.copy()),
+            torch.from_numpy(counts),
+            self.temperature,
+        )
+        live = labels >= 0
+        return view, torch.from_numpy(live), bool(live.any())
+
+    def classify(
+        self,
+        q: np.ndarray | torch.Tensor,
+        vote: str,
+        k: int,
+        labels: list[str] | None = None,
+        neighbors: bool = False,
+    ) -> list[Classification]:
+        """Label probabilities for each query (B, d) (numpy, or a float32 CPU tensor) under
+        the rule `vote`, optionally restricted to `labels`; the k nearest items (the kNN
+        voters) when asked."""
+        rule = _RULES[vote]
+        with self.lock.read():
+            qt = (
+                q
+                if isinstance(q, torch.Tensor)
+                else torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
+            )
+            allowed, allowed_labels = self._allowed(labels)
+            if allowed_labels is None:
+                snap = self._unfiltered()
+                view, live, any_live = snap.view, snap.live, snap.any_live
+            else:
+                view, live, any_live = self._filtered(allowed_labels)
+            c = view.num_classes
+            top = min(5, c)
+            if isinstance(rule, Kde) and not neighbors and allowed_labels is None and any_live:
+                _, counts, onehot = Kde.prepared(view)
+                if onehot is not None:
+                    # the common request (kde, no filter, no neighbours): one compiled call
+                    best, vals, idx, total = scripted_kde_top()(
+                        qt, view.embeddings, onehot, counts, self.temperature, top, live
+                    )
+                    return self._results(best.tolist(), vals.tolist(), idx.tolist(), total.tolist())
+            n = view.embeddings.shape[0]
+            sims = qt @ view.embeddings.T if n else torch.zeros(len(qt), 0)  # (B, n)
+            if not any_live:
+                best = np.full(len(qt), -1.0)
+            elif live is None:
+                best = sims.max(dim=1).values.numpy()
+            else:  # dead or filtered columns at -inf, no copy of the kept columns
+                best = sims.masked_fill(~live, -torch.inf).max(dim=1).values.numpy()
+            hits = None
+            if rule.needs_neighbors or neighbors:
+                hits = self._neighbors(qt, k, allowed, int(view.counts.sum()))
+            nb = None if hits is None else Neighbors(hits[0], hits[2])
+            probs = rule.probs(qt, view, k, neighbors=nb, similarities=sims)
+            # Top labels for the whole batch at once; Python only walks the small lists.
+            vals = idx = total = None
+            if c:
+                v, i = probs.topk(top, dim=1)
+                vals, idx, total = v.tolist(), i.tolist(), probs.sum(dim=1).tolist()
+            return self._results(best.tolist(), vals, idx, total, hits if neighbors else None)
+
+    def _neighbors(self, qt: torch.Tensor, k: int, allowed: np.ndarray | None, live: int):
+        """(sims (B, k'), ids (B, k'), label ids (B, k')) of the k' = min(k, live) nearest
+        items from the index, as tensors; -1 ids and labels pad."""
+        kk = min(k, live)
+        if kk <= 0:
+            empty = torch.zeros(len(qt), 0)
+            return empty, empty.long(), empty.long()
+        s, ids = self.vectors.search(qt.numpy(), kk, allowed)
+        lab = np.array([[self.rows.label_of(i) for i in row] for row in ids], dtype=np.int64)
+        return torch.from_numpy(s), torch.from_numpy(ids), torch.from_numpy(lab)
+
+    def _results(self, best, vals, idx, total, hits=None) -> list[Classification]:
+        """Per query: top labels from (B, top) probability lists `vals` and label ids `idx`
+        (None when there are no labels), `total` probability (0: no label could take it),
+        best similarity, and the neighbours from `hits` (similarities, ids, label ids)."""
+        names = self.stats.names
+        out = []
+        for b in range(len(best)):
+            if total is None or total[b] <= 0:
+                out.append(Classification(None, 0.0, [], best[b], []))
+                continue
+            pr = [(names[i], v) for v, i in zip(vals[b], idx[b], strict=True) if v > 0]
+            nb = []
+            if hits is not None:
+                nb = [
+                    (i, names[li], s)
+                    for s, i, li in zip(
+                        hits[0][b].tolist(), hits[1][b].tolist(), hits[2][b].tolist(), strict=True
+                    )
+                    if i >= 0 and li >= 0
+                ]
+            out.append(Classification(pr[0][0], pr[0][1], pr, best[b], nb))
+        return out

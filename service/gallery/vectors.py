@@ -1,0 +1,71 @@
+"""The gallery's FAISS index with deletions.
+
+Flat and IVF indexes remove ids; HNSW and GPU indexes cannot (FAISS issues #3339, #1585), so
+their deleted ids are kept as tombstones and filtered at search time with an IDSelector (the
+next snapshot or rebuild still holds them; a snapshot records them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import faiss
+import numpy as np
+
+
+class VectorIndex:
+    def __init__(self, index, search_params: dict[str, Any], tombstones: set[int] | None = None):
+        self.index = index  # faiss IndexIDMap2, CPU
+        self.search_params = dict(search_params)  # the manifest's nprobe / efSearch
+        self.tombstones: set[int] = set(tombstones or ())  # deleted ids still in the index
+
+    def add(self, ids: np.ndarray, emb: np.ndarray) -> None:
+        """ids (n,) int64, emb (n, d) float32 unit rows."""
+        self.index.add_with_ids(
+            np.ascontiguousarray(emb, dtype=np.float32), np.asarray(ids, dtype=np.int64)
+        )
+
+    def remove(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids, dtype=np.int64)
+        if not len(ids):
+            return
+        try:
+            self.index.remove_ids(ids)
+        except RuntimeError:  # HNSW and GPU indexes cannot remove: filter at search time
+            self.tombstones.update(int(i) for i in ids)
+
+    def search(
+        self, q: np.ndarray, k: int, allowed: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """q (B, d) -> similarities (B, k) descending and ids (B, k), -1 where fewer than k
+        items qualify; `allowed`: only these ids (a label filter)."""
+        return self.index.search(
+            np.ascontiguousarray(q, dtype=np.float32), k, params=self._params(allowed)
+        )
+
+    def serialize(self) -> tuple[np.ndarray, set[int]]:
+        """(faiss.serialize_index bytes, tombstones): what a snapshot stores."""
+        return faiss.serialize_index(self.index), set(self.tombstones)
+
+    def _params(self, allowed: np.ndarray | None):
+        """FAISS search parameters: the manifest's nprobe/efSearch, plus an id selector that
+        drops tombstones and keeps only `allowed` ids when a label filter is given."""
+        sel = None
+        if allowed is not None:
+            sel = faiss.IDSelectorBatch(np.ascontiguousarray(allowed, dtype=np.int64))
+        if self.tombstones:
+            gone = faiss.IDSelectorNot(
+                faiss.IDSelectorBatch(np.fromiter(self.tombstones, np.int64))
+            )
+            sel = gone if sel is None else faiss.IDSelectorAnd(sel, gone)
+            sel._keep = gone  # keep the inner selectors alive as long as the outer one
+        if sel is None:
+            return None
+        if "nprobe" in self.search_params:
+            p = faiss.SearchParametersIVF(sel=sel, nprobe=int(self.search_params["nprobe"]))
+        elif "efSearch" in self.search_params:
+            p = faiss.SearchParametersHNSW(sel=sel, efSearch=int(self.search_params["efSearch"]))
+        else:
+            p = faiss.SearchParameters(sel=sel)
+        p._sel = sel
+        return p

@@ -1,0 +1,226 @@
+"""A user's gallery outlives every model: on a store made under another model the service
+carries every added item over before it serves (service/migration.py)."""
+
+import json
+import sqlite3
+import time
+
+import numpy as np
+import pytest
+
+from embedding.rundir import RunDir
+from index_builder.build import BuildConfig, build
+from service import migration
+from service.config import Settings
+from service.datadir import DataDir
+from service.metrics import Metrics
+from service.migration import Migration
+from service.startup import open_service
+
+from .conftest import of_class, png, replaced_model
+from .test_routes import make_client
+
+
+@pytest.fixture(scope="module")
+def new_model(base_run, tmp_path_factory):
+    return replaced_model(base_run, tmp_path_factory.mktemp("new") / "run")
+
+
+def wait_ready(client, timeout: float = 180) -> dict:
+    """Poll /readyz until 200 (a migration runs in the background meanwhile)."""
+    deadline = time.time() + timeout
+    seen = set()
+    while time.time() < deadline:
+        r = client.get("/readyz")
+        if r.status_code == 200:
+            body = r.json()
+            body["phases_seen"] = seen
+            return body
+        seen.add(r.json()["status"])
+        time.sleep(0.05)
+    raise AssertionError(f"not ready after {timeout}s: {r.json()}")
+
+
+def _add(c, label, raw, idxs, **data):
+    files = [("images", (f"{i}.png", png(raw, i), "image/png")) for i in idxs]
+    r = c.post("/gallery/add", data={"label": label, **data}, files=files)
+    assert r.status_code == 200, r.text
+    return r.json()["ids"]
+
+
+def _search(c, raw, i, label, k=5):
+    files = {"image": ("q.png", png(raw, i), "image/png")}
+    return c.post("/search", params={"k": k, "label": label}, files=files).json()["items"]
+
+
+def _meta(path):
+    conn = sqlite3.connect(path)
+    try:
+        return dict(conn.execute("SELECT key, value FROM meta"))
+    finally:
+        conn.close()
+
+
+def test_a_new_model_carries_every_added_item(base_run, new_model, tmp_path, fmnist_train):
+    data = tmp_path / "data"
+    tees = of_class(fmnist_train, 0, 5)
+    with make_client(base_run, data) as c:
+        md = json.dumps([{"n": int(i)} for i in range(5)])
+        tee_ids = _add(c, "my-tee", fmnist_train, tees, metadata=md)
+        one = _add(c, "one-off", fmnist_train, of_class(fmnist_train, 2, 1))
+        assert c.delete(f"/gallery/items/{tee_ids[0]}").status_code == 200  # an added delete
+        trouser = _search(c, fmnist_train, of_class(fmnist_train, 1, 1)[0], "Trouser", 1)[0]
+        assert c.delete(f"/gallery/items/{trouser['id']}").status_code == 200  # a trained one
+        before = {x["label"]: x["count"] for x in c.get("/gallery/labels").json()["labels"]}
+    with make_client(base_run, data, store_images=False) as c:  # an item without its image
+        lost = _add(c, "no-image", fmnist_train, of_class(fmnist_train, 3, 1))
+
+    new_fp = RunDir(new_model).load_model_card()[1]
+    with make_client(new_model, data) as c:
+        body = wait_ready(c)
+        assert "migrating" in body["phases_seen"]  # /readyz said so meanwhile
+        assert body["model_fingerprint"] == new_fp
+        m = body["migration"]
+        assert m["carried"] == 5 and m["deleted_trained"] == 1 and not m["renumbered"]
+        assert [u["id"] for u in m["uncarried"]] == lost and "no stored image" in str(m)
+        after = {x["label"]: x["count"] for x in c.get("/gallery/labels").json()["labels"]}
+        assert after == {k: v for k, v in before.items()}  # every label, every count
+        # re-embedded by the new model: an added image finds itself, ids and metadata kept
+        hits = _search(c, fmnist_train, tees[2], "my-tee")
+        assert hits[0]["id"] == tee_ids[2] and hits[0]["similarity"] > 0.999
+        assert hits[0]["metadata"] == {"n": 2}
+        assert (
+            _search(c, fmnist_train, of_class(fmnist_train, 2, 1)[0], "one-off")[0]["id"] == one[0]
+        )
+        files = {"image": ("q.png", png(fmnist_train, tees[3]), "image/png")}
+        assert c.post("/classify", files=files).json()["label"] == "my-tee"
+        gone = _search(c, fmnist_train, of_class(fmnist_train, 1, 1)[0], "Trouser", 50)
+        assert trouser["metadata"]["dataset_index"] not in {
+            h["metadata"]["dataset_index"] for h in gone
+        }  # the trained item the user deleted stays deleted
+
+    store = data / "gallery.sqlite"
+    assert _meta(store)["model_fingerprint"] == new_fp
+    assert json.loads(_meta(store)["migrated_from"])["carried"] == 5
+    (archive,) = (data / "previous").iterdir()  # the old store, kept whole
+    assert archive.name == m["archive"].split("/")[-1]
+    old = sqlite3.connect(archive)
+    assert old.execute("SELECT label FROM items WHERE id = ?", (lost[0],)).fetchone() == (
+        "no-image",
+    )
+    old.close()
+    assert not (data / "gallery.sqlite.migrating").exists()
+    with make_client(new_model, data) as c:  # started again: nothing more to carry
+        body = wait_ready(c)
+        assert "migration" not in body and "migrating" not in body["phases_seen"]
+
+
+def test_a_rebuilt_index_keeps_stored_embeddings(base_run, tmp_path, fmnist_train):
+    """Same model, another index build: the stored embeddings stay valid, so items carry even
+    without their images, and nothing is re-embedded."""
+    data = tmp_path / "data"
+    with make_client(base_run, data, store_images=False) as c:
+        ids = _add(c, "x", fmnist_train, of_class(fmnist_train, 0, 2))
+    ix2 = tmp_path / "hnsw"
+    build(BuildConfig(base_run, ix2, factory="HNSW32", progress=False), log=lambda m: None)
+    with make_client(base_run, data, index=ix2) as c:
+        m = wait_ready(c)["migration"]
+        assert m["carried"] == 2 and m["uncarried"] == [] and not m["reembedded"]
+        hits = _search(c, fmnist_train, of_class(fmnist_train, 0, 1)[0], "x")
+        assert hits[0]["id"] == ids[0] and hits[0]["similarity"] > 0.999
+
+
+class Crash(Exception):
+    pass
+
+
+def test_migration_resumes_after_a_crash_and_loses_nothing(
+    base_run, new_model, tmp_path, fmnist_train, monkeypatch
+):
+    data = tmp_path / "data"
+    with make_client(base_run, data) as c:
+        ids = []
+        for s in range(0, 40, 10):
+            ids += _add(c, f"l{s}", fmnist_train, range(s, s + 10))
+    store = data / "gallery.sqlite"
+    old_fp = _meta(store)["model_fingerprint"]
+    opening = open_service(Settings(model=new_model, data_dir=data), Metrics())
+    try:
+        p = opening.plan
+        assert p is not None and p.total == 40 and not p.reuse
+        calls = []
+
+        def embed(items, crash_at=None):
+            calls.append(len(items))
+            if len(calls) == crash_at:
+                raise Crash
+            return opening.runtime.embed_stored([it.image for it in items])
+
+        def run(crash_at=None):
+            return Migration(
+                p, DataDir(data), opening.index.store, lambda it: embed(it, crash_at), 8
+            ).run()
+
+        with pytest.raises(Crash):  # dies in its third batch
+            run(crash_at=3)
+        assert _meta(store)["model_fingerprint"] == old_fp  # the old store is still the store
+        half = sqlite3.connect(data / "gallery.sqlite.migrating")
+        assert half.execute("SELECT COUNT(*) FROM carried").fetchone()[0] == 16
+        half.close()
+
+        real = migration.os.replace
+
+        def failing(src, dst):  # dies between archiving the old store and the swap
+            if str(dst) == str(store):
+                raise OSError("killed")
+            return real(src, dst)
+
+        monkeypatch.setattr(migration.os, "replace", failing)
+        calls.clear()
+        with pytest.raises(OSError):
+            run()
+        assert calls == [8, 8, 8]  # resumed after the 16 carried items, not from the start
+        assert _meta(store)["model_fingerprint"] == old_fp and (data / "previous").is_dir()
+        monkeypatch.undo()
+        calls.clear()
+        report = run()
+        assert calls == [] and report.carried == 40 and report.uncarried == []
+    finally:
+        opening.runtime.close()
+    conn = sqlite3.connect(store)
+    rows = conn.execute("SELECT id FROM items WHERE source = 'added' ORDER BY id").fetchall()
+    assert [r[0] for r in rows] == ids  # each item once, with its id
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    conn.close()
+    assert len(list((data / "previous").iterdir())) == 1
+    emb = np.frombuffer(
+        sqlite3.connect(store)
+        .execute("SELECT embedding FROM items WHERE id = ?", (ids[0],))
+        .fetchone()[0],
+        "<f4",
+    )
+    assert abs(float(np.linalg.norm(emb)) - 1) < 1e-3
+
+
+def test_a_store_at_the_old_default_place_is_carried_into_the_data_dir(
+    base_run, tmp_path, fmnist_train
+):
+    """Before the data dir, the store lived in MODEL/serve/ (replaced by every retrain): the
+    first start with the new default copies it (WAL included) and leaves the old file."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run)
+    with make_client(run, run / "serve") as c:  # what the old default was
+        ids = _add(c, "from-before", fmnist_train, of_class(fmnist_train, 0, 3))
+    legacy = run / "serve" / "gallery.sqlite"
+    before = legacy.read_bytes()
+    with make_client(run, tmp_path / "data") as c:
+        labels = {x["label"]: x["count"] for x in c.get("/gallery/labels").json()["labels"]}
+        assert labels["from-before"] == 3
+        hit = _search(c, fmnist_train, of_class(fmnist_train, 0, 1)[0], "from-before", 1)[0]
+        assert hit["id"] == ids[0]
+    assert (tmp_path / "data" / "gallery.sqlite").is_file() and legacy.read_bytes() == before
+    with make_client(run, tmp_path / "other", store=tmp_path / "named.sqlite") as c:
+        labels = {x["label"] for x in c.get("/gallery/labels").json()["labels"]}
+        assert "from-before" not in labels  # a store named explicitly is not replaced by it
