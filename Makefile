@@ -9,23 +9,34 @@ OUT ?= runs/demo
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test install data browser lint bench reproduce stress audit clean
+.PHONY: run train test install data browser lint bench reproduce stress audit clean
 
-run: install data ## set up, train the default model, index it, serve it (Ctrl-C stops)
-	$(PY) -m training --dataset fashion-mnist --arch conv4 --loss nca --epochs $(EPOCHS) \
-		--out $(OUT) --overwrite
-	$(PY) -m index_builder $(OUT) --out $(OUT)/index --overwrite --thumbnails
+TRAIN_ARGS = --dataset fashion-mnist --arch conv4 --loss nca --epochs $(EPOCHS) --out $(OUT) --overwrite
+# The model is reused when OUT holds a finished run of EPOCHS epochs (RETRAIN=1 retrains).
+HAVE_MODEL = $(PY) -c "import json, sys; s = json.load(open('$(OUT)/summary.json')); \
+	sys.exit(s.get('epochs') != $(EPOCHS))" 2>/dev/null
+
+run: install data ## set up; train and index the default model unless done before; serve it (Ctrl-C stops)
+	@if [ -z "$(RETRAIN)" ] && $(HAVE_MODEL); then \
+		echo "model: $(OUT), trained before ($(EPOCHS) epochs); make run RETRAIN=1 or make train retrains"; \
+	else $(PY) -m training $(TRAIN_ARGS); fi
+	$(PY) -m index_builder $(OUT) --out $(OUT)/index --reuse --thumbnails
 	$(PY) -m service.examples $(OUT)/examples > /dev/null
 	@echo
 	@echo "Try it (in another terminal):"
 	@echo "  curl -s -F image=@$(OUT)/examples/sneaker.png http://$(HOST):$(PORT)/classify"
-	@echo "  curl -s -F label=my-shoe -F images=@$(OUT)/examples/sandal.png http://$(HOST):$(PORT)/gallery/add"
+	@echo "  curl -s -F label=my-logo -F images=@$(OUT)/examples/logo.png http://$(HOST):$(PORT)/gallery/add"
+	@echo "  curl -s -F image=@$(OUT)/examples/logo-2.png http://$(HOST):$(PORT)/classify"
 	@echo "  curl -s http://$(HOST):$(PORT)/gallery/labels"
 	@echo "  API docs: http://$(HOST):$(PORT)/docs"
 	@echo
 	@echo "Web page: http://$(HOST):$(PORT)/   (classify, register labels, browse neighbours)"
 	@echo
 	$(PY) -m service --model $(OUT) --host $(HOST) --port $(PORT) --thumbnails
+
+train: install data ## (re)train the default model and rebuild its index; the gallery in data/ is kept
+	$(PY) -m training $(TRAIN_ARGS)
+	$(PY) -m index_builder $(OUT) --out $(OUT)/index --reuse --thumbnails
 
 test: install data browser ## set up, then lint (rules + formatting) and run the whole test suite
 	$(VENV)/bin/ruff check .
@@ -71,10 +82,10 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The evaluation grid (training/reproduce.py): ~42 min on 2 idle cores, rewrites the report block of
+# The evaluation grid (experiments/reproduce.py): ~42 min on 2 idle cores, rewrites the report block of
 # docs/RESULTS.md and docs/figures/. QUICK=1: small subsets, ~4.5 min, report in runs/reproduce-quick/docs.
 reproduce: install data
-	$(PY) -m training.reproduce $(if $(QUICK),--quick,)
+	$(PY) -m experiments.reproduce $(if $(QUICK),--quick,)
 
 # The long reliability runs (docs/RELIABILITY.md): many kill -9 rounds, more fuzzing cases,
 # three passes of the hostile corpus, then a bounded soak (10 min at half of saturation).
@@ -95,5 +106,6 @@ audit: install
 bench: install ## benchmarks/train_step.py (results go in docs/PERFORMANCE.md)
 	$(PY) benchmarks/train_step.py
 
+# Build outputs only: the galleries in data/ (what users registered) are never removed here.
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 DOCKERFILE = (ROOT / "docker" / "Dockerfile").read_text()
 # bootstrap.sh reads these besides the service settings
-BOOTSTRAP_VARS = {"SNCA_BOOTSTRAP_ARGS", "SNCA_INDEX_ARGS", "SNCA_DATASETS"}
+BOOTSTRAP_VARS = {"SNCA_BOOTSTRAP_ARGS", "SNCA_INDEX_ARGS", "SNCA_DATASETS", "SNCA_RETRAIN"}
 
 
 def _stages() -> set[str]:
@@ -49,6 +49,8 @@ def test_profiles_and_dependencies():
         assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
         assert s[name]["environment"]["SNCA_DEVICE"] == "cuda"
     assert s["train"]["profiles"] == ["train"]
+    for name in ("bootstrap", "bootstrap-gpu", "train"):  # one-shot: the image's check is the api's
+        assert s[name]["healthcheck"] == {"disable": True}, name
 
 
 def test_volumes_are_declared_and_settings_exist():
