@@ -17,7 +17,7 @@ from embedding.errors import SNCAError
 from embedding.model import SPACES
 from embedding.sysalloc import keep_freed_memory
 
-from .build import DEVICES, SOURCES, BuildConfig, build
+from .build import DEVICES, SOURCES, BuildConfig, build, current_build
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             "num_workers": max(0, args.num_workers),
         }
     )
+    if cfg.reuse and (m := current_build(cfg)) is not None:
+        print(
+            f"index: {cfg.out} — {m.count} vectors, {m.factory}, built {m.created_at} from this "
+            "model with these options: kept"
+        )
+        return 0
     try:
         m = build(cfg)
     except SNCAError as e:

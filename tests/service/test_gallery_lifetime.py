@@ -108,12 +108,14 @@ def test_sigkill_in_the_middle_of_a_migration_loses_nothing(base_run, tmp_path, 
     finally:
         srv.kill(signal.SIGKILL)
     assert seen is not None and seen[1] == 1024 and "of 1024" in seen[2], seen
+    print(f"killed with {seen[0]} of {seen[1]} items carried")
 
     srv = Server(new, data, timeout=300)  # resumes where the killed one stopped
     try:
         assert "resuming the migration" in srv.read_log()
         ready = httpx.get(srv.url + "/readyz").json()
         assert ready["migration"]["carried"] == 1024 and ready["migration"]["uncarried"] == []
+        print(f"resumed and finished in {ready['migration']['seconds']} s")
         assert _labels(srv.url) == before
         for n in (0, 7, 15):
             files = {"image": ("q.png", png(fmnist_train, 64 * n + 5), "image/png")}
