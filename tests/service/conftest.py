@@ -83,6 +83,7 @@ class Server:
         wait_for: str | None = "/readyz",
         cwd: Path | None = None,
         timeout: float = 60,
+        poll: float = 0.2,
     ):
         """`data_dir` None: the default one (data/<model name> under `cwd`); `prefix`: a
         command the server runs under (it must exec it, keeping the pid); `wait_for`: the route
@@ -111,9 +112,9 @@ class Server:
             env=full_env,
             cwd=cwd,
         )
-        self.wait(wait_for or "/healthz", timeout)
+        self.wait(wait_for or "/healthz", timeout, poll)
 
-    def wait(self, route: str = "/readyz", timeout: float = 60) -> None:
+    def wait(self, route: str = "/readyz", timeout: float = 60, poll: float = 0.2) -> None:
         """Until `route` answers 200 (RuntimeError with the log if the server exits first)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -124,7 +125,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(poll)
         raise RuntimeError("server did not become ready: " + self.read_log())
 
     def read_log(self) -> str:

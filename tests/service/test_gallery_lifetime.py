@@ -7,6 +7,7 @@ import shutil
 import signal
 import sqlite3
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -41,9 +42,9 @@ def test_retraining_in_place_keeps_every_added_label(base_run, tmp_path, fmnist_
         tees = of_class(fmnist_train, 0, 5)  # T-shirt/top: not among the trained classes
         ids = _add(srv.url, "my-tee", fmnist_train, tees)
         before = _labels(srv.url)
-        assert "gallery data dir" in srv.read_log() and str(tmp_path / "data" / "shop") in (
-            srv.read_log()
-        )
+        srv.log.flush()
+        log = Path(srv.log.name).read_text()
+        assert f"gallery data dir {tmp_path / 'data' / 'shop'}" in log
     finally:
         srv.kill(signal.SIGTERM)
     store = tmp_path / "data" / "shop" / "gallery.sqlite"
@@ -87,14 +88,14 @@ def test_sigkill_in_the_middle_of_a_migration_loses_nothing(base_run, tmp_path, 
     srv = Server(base_run, data)
     ids = {}
     try:
-        for n in range(16):
+        for n in range(32):
             ids[f"l{n}"] = _add(srv.url, f"l{n}", fmnist_train, range(64 * n, 64 * n + 64))
         before = _labels(srv.url)
     finally:
         srv.kill(signal.SIGTERM)
 
-    # 1,024 items, 2 per transaction: killed once /readyz reports it part-way
-    srv = Server(new, data, {"SNCA_MIGRATION_BATCH": "2"}, wait_for=None)
+    # 2,048 items, one per transaction (~4 s): killed once /readyz reports it part-way
+    srv = Server(new, data, {"SNCA_MIGRATION_BATCH": "1"}, wait_for=None, poll=0.01)
     seen = None
     try:
         deadline = time.time() + 120
@@ -107,17 +108,18 @@ def test_sigkill_in_the_middle_of_a_migration_loses_nothing(base_run, tmp_path, 
             time.sleep(0.02)
     finally:
         srv.kill(signal.SIGKILL)
-    assert seen is not None and seen[1] == 1024 and "of 1024" in seen[2], seen
+    assert seen is not None and seen[1] == 2048 and "of 2048" in seen[2], seen
     print(f"killed with {seen[0]} of {seen[1]} items carried")
 
     srv = Server(new, data, timeout=300)  # resumes where the killed one stopped
     try:
-        assert "resuming the migration" in srv.read_log()
+        srv.log.flush()
+        assert "resuming the migration" in Path(srv.log.name).read_text()
         ready = httpx.get(srv.url + "/readyz").json()
-        assert ready["migration"]["carried"] == 1024 and ready["migration"]["uncarried"] == []
+        assert ready["migration"]["carried"] == 2048 and ready["migration"]["uncarried"] == []
         print(f"resumed and finished in {ready['migration']['seconds']} s")
         assert _labels(srv.url) == before
-        for n in (0, 7, 15):
+        for n in (0, 7, 31):
             files = {"image": ("q.png", png(fmnist_train, 64 * n + 5), "image/png")}
             hit = httpx.post(
                 srv.url + "/search", params={"label": f"l{n}", "k": 1}, files=files

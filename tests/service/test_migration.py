@@ -18,7 +18,13 @@ from service.migration import Migration
 from service.startup import open_service
 
 from .conftest import of_class, png, replaced_model
-from .test_routes import make_client
+from .test_routes import make_client as _make_client
+
+
+def make_client(run, data_dir, **kw):
+    """The service on `run` with a quicker start (no fused copies, warm-up up to batch 8):
+    what these tests check does not depend on the model's speed."""
+    return _make_client(run, data_dir, fused_batches=0, max_batch=8, **kw)
 
 
 @pytest.fixture(scope="module")
