@@ -2,7 +2,7 @@
 typically one serving a new model (a store is tied to its model's embeddings, so the images are
 embedded again by the new model).
 
-    python -m service.migrate runs/demo/serve/gallery.sqlite http://127.0.0.1:8001
+    python -m service.migrate data/demo/gallery.sqlite http://127.0.0.1:8001   # to another model
     SNCA_API_KEY=... python -m service.migrate OLD.sqlite URL --labels my-shoe,my-bag --dry-run
 
 Reads the old store read-only (it is never changed). Each live added item with its stored image
