@@ -35,7 +35,7 @@ DEVS = os.environ.get("DEVS", "cuda,cpu").split(",")
 res = {}
 for dev in DEVS:
     app = create_app(Settings(model=RUN, data_dir=Path(f"/tmp/snca-cuda-check-{dev}"), device=dev))
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://localhost") as c:
         rt = app.state.snca.state.runtime
         print(
             dev,

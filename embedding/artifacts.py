@@ -70,7 +70,8 @@ def publish_dir(staging: str | os.PathLike, out: str | os.PathLike) -> None:
     fsync_dir(staging)
     old = None
     if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        # unique per call: two publishers (threads or processes) never share a name
+        old = out.with_name(f".{out.name}.old-{os.getpid()}-{os.urandom(4).hex()}")
         os.replace(out, old)
     os.replace(staging, out)
     fsync_dir(out.parent)

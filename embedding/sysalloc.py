@@ -32,3 +32,23 @@ def keep_freed_memory() -> bool:
     ok &= mallopt(_M_TRIM_THRESHOLD, 1 << 30)
     ok &= mallopt(_M_TOP_PAD, 256 << 20)
     return bool(ok)
+
+
+_libc = None
+
+
+def release_free_memory() -> bool:
+    """Give the heap's free memory back to the OS now (glibc malloc_trim): after a request that
+    decoded large images, whose freed blocks keep_freed_memory() would otherwise keep."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _libc = ctypes.CDLL(name) if name else False
+            if _libc:
+                _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
+        return False
+    return bool(_libc.malloc_trim(0))

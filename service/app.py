@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import itertools
 import logging
@@ -9,20 +10,21 @@ import os
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from embedding.errors import SNCAError
 
+from . import openapi, problems
 from .config import Settings
-from .deps import KEY_SCHEME
 from .embedder import ImageError
 from .logs import request_id, setup_logging
+from .problems import Problem
 from .routes import classify, gallery, ops, page, search
-from .schemas import ErrorBody
 from .startup import ServiceHost
 from .store import StoreUnavailable
 
@@ -32,22 +34,69 @@ DESCRIPTION = """
 Classify images by their neighbours in an embedding gallery (Scalable NCA), register new labels
 from a few images at run time, and retrieve similar images.
 
-Writes (`/gallery/*`, `/admin/*`) need the `X-API-Key` header when `SNCA_API_KEY` is set.
-Errors are JSON `{"detail": ...}`: 400 undecodable image, 401 API key, 404 unknown label/item,
-413 too large, 415 not an image, 422 invalid field, 503 not ready or store not writable.
+Writes (`/gallery/add`, deletes, `/admin/*`) need the `X-API-Key` header when `SNCA_API_KEY`
+is set (reads too with `SNCA_PROTECT_READS`); without a key, writes are accepted only from this
+server's own page, not from other web origins. Every error is RFC 9457 problem details
+(`application/problem+json`) with a stable `code` (README, "Errors").
 """
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+# Sent with every response; the page also gets PAGE_HEADERS (routes/page.py).
+ALWAYS = [(b"x-content-type-options", b"nosniff")]
 
 
 class BodyTooLarge(Exception):
     pass
 
 
+class BodyTimeout(Exception):
+    pass
+
+
+def allowed_hosts(settings: Settings) -> frozenset[str] | None:
+    """Host header names this server answers to (None: any). Bound to loopback, only loopback
+    names: a web page whose DNS name is re-pointed at 127.0.0.1 (DNS rebinding) sends its own
+    name, and is refused."""
+    if settings.allowed_hosts is not None:
+        names = {h.strip().lower() for h in settings.allowed_hosts.split(",") if h.strip()}
+        return None if "*" in names else frozenset(names)
+    if settings.host in LOOPBACK:
+        return frozenset(LOOPBACK)
+    return None
+
+
+def host_name(header: bytes) -> str:
+    """The name in a Host header, port removed ("[::1]:8000" -> "::1")."""
+    h = header.decode("latin-1").strip().lower()
+    if h.startswith("["):
+        return h[1 : h.find("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+def route_label(scope) -> str:
+    """The metrics label of a request: the route's path template; the path itself for the
+    fixed routes FastAPI adds (/docs, /openapi.json), "/static" for any static file, and
+    "unmatched" for anything else (a client cannot grow the label set)."""
+    route = scope.get("route")
+    if route is not None:
+        return route.path
+    if scope.get("endpoint") is None:
+        return "unmatched"
+    path = scope.get("path", "")
+    for prefix in ("/static/", "/docs-assets/"):
+        if path.startswith(prefix):
+            return prefix.rstrip("/")
+    return path
+
+
 class RequestContext:
-    """Pure ASGI middleware: request id, body-size limit, timing header, metrics, access log."""
+    """Pure ASGI middleware: request id, Host check, body size and time limits, timing and
+    security headers, metrics, access log; a bug becomes a 500 problem, never a stack trace."""
 
     def __init__(self, app, host: ServiceHost):
         self.app = app
         self.host = host
+        self.hosts = allowed_hosts(host.settings)
         # Request ids: a random per-process prefix and a counter (unique, and no syscall per
         # request as uuid4 makes).
         self._prefix = os.urandom(4).hex()
@@ -56,76 +105,103 @@ class RequestContext:
     def _next_id(self) -> str:
         return f"{self._prefix}-{next(self._counter):x}"
 
+    async def _refuse(self, scope, receive, send, t0, status, code, detail, headers=None):
+        await problems.response(status, code, detail, headers)(scope, receive, send)
+        self._account(scope, status, t0)
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         rid = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or self._next_id()
         token = request_id.set(rid)
-        limit = self.host.settings.max_upload_bytes
+        settings = self.host.settings
+        limit = settings.max_upload_bytes
         t0 = time.perf_counter()
         status_box = {"code": 500}
-        try:
-            length = int(headers.get(b"content-length", b"0") or 0)
-        except ValueError:
-            length = 0
-        if length > limit:
-            resp = JSONResponse(
-                {"detail": f"request body is {length} bytes; the limit is {limit}"}, status_code=413
-            )
-            await resp(scope, receive, send)
-            self._account(scope, 413, t0)
-            request_id.reset(token)
-            return
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > limit:
-                    raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
-            return msg
 
         async def send_wrapper(msg):
             if msg["type"] == "http.response.start":
                 status_box["code"] = msg["status"]
                 ms = (time.perf_counter() - t0) * 1000
-                msg.setdefault("headers", [])
                 msg["headers"] = [
-                    *list(msg["headers"]),
+                    *list(msg.get("headers", ())),
                     (b"x-request-id", rid.encode("latin-1")),
                     (b"x-process-time-ms", f"{ms:.2f}".encode()),
+                    *ALWAYS,
                 ]
             await send(msg)
 
-        started = {"yes": False}
-
-        async def send_tracking(msg):
-            if msg["type"] == "http.response.start":
-                started["yes"] = True
-            await send_wrapper(msg)
-
         try:
-            await self.app(scope, limited_receive, send_tracking)
-        except Exception:
-            # Never a stack trace to the client, never a dropped connection: a bug is logged
-            # with the request id and answered as a plain 500.
-            log.exception("unhandled error")
-            status_box["code"] = 500
-            if not started["yes"]:
-                resp = JSONResponse(
-                    {"detail": f"internal error (request id {rid})"}, status_code=500
+            host = headers.get(b"host")
+            if self.hosts is not None and host is not None and host_name(host) not in self.hosts:
+                return await self._refuse(
+                    scope,
+                    receive,
+                    send_wrapper,
+                    t0,
+                    400,
+                    "host_not_allowed",
+                    f"this server does not answer to Host {host.decode('latin-1')[:100]!r} "
+                    "(SNCA_ALLOWED_HOSTS)",
                 )
-                await resp(scope, receive, send_wrapper)
-        finally:
+            try:
+                length = int(headers.get(b"content-length", b"0") or 0)
+            except ValueError:
+                length = 0
+            if length > limit:
+                return await self._refuse(
+                    scope,
+                    receive,
+                    send_wrapper,
+                    t0,
+                    413,
+                    "request_too_large",
+                    f"request body is {length} bytes; the limit is {limit}",
+                )
+            seen = 0
+            deadline = asyncio.get_running_loop().time() + settings.body_timeout_s
+
+            async def limited_receive():
+                nonlocal seen
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        msg = await receive()
+                except TimeoutError:
+                    raise BodyTimeout(
+                        f"the request body did not arrive within {settings.body_timeout_s:g} s "
+                        "(SNCA_BODY_TIMEOUT_S)"
+                    ) from None
+                if msg["type"] == "http.request":
+                    seen += len(msg.get("body", b""))
+                    if seen > limit:
+                        raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+                return msg
+
+            started = {"yes": False}
+
+            async def send_tracking(msg):
+                if msg["type"] == "http.response.start":
+                    started["yes"] = True
+                await send_wrapper(msg)
+
+            try:
+                await self.app(scope, limited_receive, send_tracking)
+            except Exception:
+                # Never a stack trace to the client, never a dropped connection: a bug is
+                # logged with the request id and answered as a 500 problem.
+                log.exception("unhandled error")
+                status_box["code"] = 500
+                if not started["yes"]:
+                    await problems.response(
+                        500, "internal_error", f"internal error (request id {rid})"
+                    )(scope, receive, send_wrapper)
             self._account(scope, status_box["code"], t0)
+        finally:
             request_id.reset(token)
 
     def _account(self, scope, code: int, t0: float) -> None:
-        route = scope.get("route")
-        path = getattr(route, "path", None) or "unmatched"
+        path = route_label(scope)
         dt = time.perf_counter() - t0
         m = self.host.metrics
         m.requests.labels(path, scope.get("method", ""), str(code)).inc()
@@ -181,29 +257,45 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
             "logs": False,
             "operation_spans": False,
         }
-    app = FastAPI(title="snca", version="0.1.0", description=DESCRIPTION, lifespan=lifespan, **kw)
+    app = FastAPI(
+        title="snca",
+        version="0.1.0",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url=None,  # page.router serves /docs with local assets (no CDN)
+        redoc_url=None,
+        **kw,
+    )
     app.state.snca = host
     for r in (classify.router, gallery.router, search.router, ops.router, page.router):
         app.include_router(r)
     app.mount("/static", StaticFiles(directory=page.STATIC_DIR), name="static")
+    app.mount("/docs-assets", StaticFiles(directory=page.docs_assets()), name="docs-assets")
+
+    @app.exception_handler(Problem)
+    async def _problem(request: Request, e: Problem):
+        return problems.response(e.status, e.code, e.detail, e.headers)
 
     @app.exception_handler(ImageError)
     async def _image_error(request: Request, e: ImageError):
-        return JSONResponse({"detail": e.message}, status_code=e.status)
+        return problems.response(e.status, e.code, e.message)
 
     @app.exception_handler(StoreUnavailable)
     async def _store_error(request: Request, e: StoreUnavailable):
-        return JSONResponse(
-            {"detail": f"{e}; nothing was changed, reads keep working"}, status_code=503
-        )
+        detail = f"{e}; nothing was changed, reads keep working"
+        return problems.response(503, "store_unavailable", detail, {"Retry-After": "5"})
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(request: Request, e: BodyTooLarge):
-        return JSONResponse({"detail": str(e)}, status_code=413)
+        return problems.response(413, "request_too_large", str(e), {"Connection": "close"})
+
+    @app.exception_handler(BodyTimeout)
+    async def _slow_body(request: Request, e: BodyTimeout):
+        return problems.response(408, "request_timeout", str(e), {"Connection": "close"})
 
     @app.exception_handler(SNCAError)
     async def _snca_error(request: Request, e: SNCAError):
-        return JSONResponse({"detail": str(e)}, status_code=400)
+        return problems.response(400, "bad_request", str(e))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
@@ -211,43 +303,20 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
         for err in e.errors():
             loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path"))
             msgs.append(f"{loc or 'request'}: {err.get('msg')}")
-        return JSONResponse({"detail": "; ".join(msgs) or "invalid request"}, status_code=422)
+        return problems.response(422, "validation_error", "; ".join(msgs) or "invalid request")
 
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, e: HTTPException):
-        return JSONResponse({"detail": e.detail}, status_code=e.status_code, headers=e.headers)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        # the framework's own: 404 no route, 405 method, 400 unparsable body
+        headers = e.headers
+        if e.status_code == 405:  # Allow: every method of the path, not one route's
+            methods = set()
+            for r in request.app.router.routes:
+                if getattr(r, "methods", None) and r.matches(request.scope)[0] != Match.NONE:
+                    methods |= r.methods
+            headers = {**(headers or {}), "Allow": ", ".join(sorted(methods))}
+        return problems.response(e.status_code, None, str(e.detail), headers)
 
     app.add_middleware(RequestContext, host=host)
-    _document_errors_as_sent(app)
+    openapi.install(app, settings)
     return app
-
-
-def _document_errors_as_sent(app: FastAPI) -> None:
-    """Every error, 422 included, is sent as {"detail": "..."} (the handlers above); FastAPI's
-    generated schema documents 422 as its own list-of-errors model. Rewrite those entries so the
-    published schema matches what clients receive (schemathesis checks it)."""
-    from fastapi.openapi.utils import get_openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema:
-            return app.openapi_schema
-        schema = get_openapi(
-            title=app.title, version=app.version, description=app.description, routes=app.routes
-        )
-        comps = schema.setdefault("components", {}).setdefault("schemas", {})
-        comps.setdefault("ErrorBody", ErrorBody.model_json_schema())
-        schema["components"]["securitySchemes"] = KEY_SCHEME
-        for path_ops in schema.get("paths", {}).values():
-            for op in path_ops.values():
-                r422 = op.get("responses", {}).get("422")
-                if r422 is not None:
-                    r422["description"] = "invalid field (the message names it)"
-                    r422["content"] = {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}
-                    }
-        for name in ("HTTPValidationError", "ValidationError"):
-            comps.pop(name, None)
-        app.openapi_schema = schema
-        return schema
-
-    app.openapi = openapi

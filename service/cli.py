@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from .app import create_app
         from .config import Settings
+        from .server import guarded_protocol, raise_fd_limit
         from .startup import ServiceHost
     except ImportError as e:
         print(
@@ -151,6 +152,14 @@ def main(argv: list[str] | None = None) -> int:
         f"snca-serve: {what}; listening on http://{settings.host}:{settings.port} (docs at /docs)",
         flush=True,
     )
+    fds = raise_fd_limit(settings.max_connections + 256)
+    if fds < settings.max_connections + 64:
+        print(
+            f"snca-serve: warning: {fds} open files allowed (ulimit -n), fewer than "
+            f"SNCA_MAX_CONNECTIONS {settings.max_connections} needs",
+            file=sys.stderr,
+            flush=True,
+        )
     uvicorn.run(
         app,
         host=settings.host,
@@ -158,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=settings.log_level,
         access_log=False,
         timeout_graceful_shutdown=30,
+        http=guarded_protocol(settings),  # header deadline, connection cap
     )
     if host.error is not None:
         print(f"snca-serve: error: {host.error}", file=sys.stderr)

@@ -84,6 +84,12 @@ class Settings(BaseSettings):
     # limits
     max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="per request body")
     max_image_pixels: int = Field(40_000_000, ge=64, description="width x height per image")
+    max_request_pixels: int = Field(
+        100_000_000,
+        ge=64,
+        description="width x height of all the images of one request together (checked from "
+        "their headers before any is decoded; they are then decoded one at a time)",
+    )
     max_images_per_request: int = Field(64, ge=1, le=1024)
     max_label_length: int = Field(100, ge=1, le=1000)
     max_metadata_bytes: int = Field(16 * 1024, ge=2)
@@ -119,6 +125,25 @@ class Settings(BaseSettings):
         "/run/secrets/snca_api_key) when api_key is not set",
     )
     protect_reads: bool = Field(False, description="require the API key on read routes too")
+    allowed_hosts: str | None = Field(
+        None,
+        description="comma-separated Host header names the server answers to ('*': any); "
+        "default: loopback names when bound to loopback (DNS rebinding), else any",
+    )
+
+    # slow or too many clients
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="a request's headers must arrive within this (408)"
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="a request's body must arrive within this (408)"
+    )
+    max_connections: int = Field(
+        1000,
+        ge=1,
+        le=1_000_000,
+        description="open connections; one more is answered 503 and closed",
+    )
 
     # server
     host: str = "127.0.0.1"

@@ -4,12 +4,12 @@ check every route goes through (GuardedRoute), before its body is read."""
 from __future__ import annotations
 
 import hmac
-import json
 from typing import Annotated, Literal
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, Request
 from fastapi.routing import APIRoute
 
+from .problems import Problem
 from .startup import ServiceHost
 from .state import ServiceState
 
@@ -32,21 +32,57 @@ def access(level: Access, **openapi: object) -> dict:
     return {ACCESS_KEY: level, **openapi}
 
 
+def needs_key(settings, level: Access) -> bool:
+    """Whether a route of `level` needs the API key under `settings` (what OpenAPI says too)."""
+    if settings.api_key is None or level == "public":
+        return False
+    return level == "write" or settings.protect_reads
+
+
+def same_origin(request: Request) -> bool:
+    """Not a browser request from another web origin. Browsers send Sec-Fetch-Site (or at
+    least Origin) with every form POST; clients that are not browsers send neither."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site in ("same-origin", "none")
+    origin = request.headers.get("origin")
+    return origin is None or origin.partition("://")[2] == request.headers.get("host", "")
+
+
 def check_access(request: Request, level: Access) -> None:
-    """401 unless the request may use a route of `level` (constant-time key compare)."""
+    """401 unless the request may use a route of `level` (constant-time key compare). With no
+    key set, writes are refused (403) from another web origin: any page the user visits could
+    otherwise post a form to the service on their loopback (CSRF)."""
     settings = request.app.state.snca.settings
-    expected = settings.api_key
-    if expected is None or level == "public" or (level == "read" and not settings.protect_reads):
+    if not needs_key(settings, level):
+        if level == "write" and settings.api_key is None and not same_origin(request):
+            raise Problem(
+                403,
+                "cross_origin_write",
+                "writes without an API key are accepted only from this server's own page "
+                f"(origin {request.headers.get('origin', '?')}); set SNCA_API_KEY for other clients",
+            )
         return
     key = request.headers.get(KEY_HEADER)
-    if not hmac.compare_digest((key or "").encode(), expected.get_secret_value().encode()):
-        raise HTTPException(
+    if not hmac.compare_digest((key or "").encode(), settings.api_key.get_secret_value().encode()):
+        raise Problem(
             401,
+            "unauthorized",
             f"missing or wrong API key (header {KEY_HEADER})"
             if key
             else f"this route needs the API key (header {KEY_HEADER})",
             headers={"WWW-Authenticate": KEY_HEADER},
         )
+
+
+def _query_names(dependant) -> set[str]:
+    """The query parameters FastAPI reads for a route, its dependencies' included."""
+    names, stack = set(), [dependant]
+    while stack:
+        d = stack.pop()
+        names |= {p.alias for p in d.query_params}
+        stack.extend(d.dependencies)
+    return names
 
 
 class GuardedRoute(APIRoute):
@@ -57,19 +93,29 @@ class GuardedRoute(APIRoute):
     def __init__(self, path: str, endpoint, **kwargs):
         extra = dict(kwargs.get("openapi_extra") or {})
         self.access: Access = extra.get(ACCESS_KEY, "public")
-        if self.access != "public":
-            extra.setdefault("security", [{"APIKeyHeader": []}])
         kwargs["openapi_extra"] = extra or None
         super().__init__(path, endpoint, **kwargs)
+        # the query parameters it takes: FastAPI's, and those a route documents itself
+        names = _query_names(self.dependant)
+        names |= {p["name"] for p in extra.get("parameters", ()) if p.get("in") == "query"}
+        self.query_names = frozenset(names)
 
     def get_route_handler(self):
         handler = super().get_route_handler()
-        if self.access == "public":
-            return handler
-        level = self.access
+        level, route = self.access, self  # (query_names is set once __init__ is done)
 
         async def guarded(request: Request):
             check_access(request, level)
+            names = route.query_names
+            unknown = request.query_params.keys() - names
+            if unknown:
+                takes = ", ".join(sorted(names)) or "none"
+                raise Problem(
+                    422,
+                    "unknown_parameter",
+                    f"unknown query parameters: {', '.join(sorted(unknown))} (this route takes "
+                    f"{takes})",
+                )
             return await handler(request)
 
         return guarded
@@ -79,7 +125,7 @@ def ready_state(request: Request) -> ServiceState:
     """The ServiceState, or 503 (with what start-up is doing) while there is none."""
     host: ServiceHost = request.app.state.snca
     if not host.ready:
-        raise HTTPException(503, host.status(), headers={"Retry-After": "5"})
+        raise Problem(503, "not_ready", host.status(), headers={"Retry-After": "5"})
     return host.state
 
 
@@ -90,34 +136,3 @@ async def get_state(request: Request) -> ServiceState:
 
 
 StateDep = Annotated[ServiceState, Depends(get_state)]
-
-
-def parse_metadata(raw: str | None, n: int, limit: int) -> list[dict | None]:
-    """JSON object (shared by all images) or list of n objects (one per image)."""
-    if raw is None or raw == "":
-        return [None] * n
-    if len(raw.encode()) > limit:
-        raise HTTPException(413, f"metadata is {len(raw.encode())} bytes; the limit is {limit}")
-    try:
-        md = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise HTTPException(422, f"metadata is not valid JSON: {e}") from None
-    if isinstance(md, dict):
-        return [md] * n
-    if isinstance(md, list) and len(md) == n and all(isinstance(m, dict) for m in md):
-        return md
-    raise HTTPException(
-        422,
-        f"metadata must be a JSON object, or a list of {n} objects (one per image)",
-    )
-
-
-def check_label(label: str, max_len: int) -> str:
-    lab = label.strip()
-    if not lab:
-        raise HTTPException(422, "label is empty")
-    if len(lab) > max_len:
-        raise HTTPException(422, f"label is {len(lab)} characters; the limit is {max_len}")
-    if not lab.isprintable():
-        raise HTTPException(422, "label must be printable text (no control characters)")
-    return lab

@@ -53,20 +53,25 @@ def sniff(data: bytes) -> str | None:
     return None
 
 
+# problem `code` by status (service/problems.py); an empty file says so itself
+IMAGE_CODES = {400: "image_undecodable", 413: "image_too_large", 415: "image_unsupported"}
+
+
 class ImageError(Exception):
     """A client's image is unusable; `status` is the HTTP status to answer with."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, code: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.code = code or IMAGE_CODES[status]
 
 
 def open_image(data: bytes, max_pixels: int, name: str = "image") -> Image.Image:
     """Read and check the header only (cheap): 415 for anything that is not one of FORMATS,
     413 above `max_pixels`, 400 for an empty file or no pixels."""
     if not data:
-        raise ImageError(400, f"{name}: the file is empty")
+        raise ImageError(400, f"{name}: the file is empty", "image_empty")
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
     except UnidentifiedImageError:

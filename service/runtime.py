@@ -4,6 +4,7 @@ uploads turned into model input, and the batches (one forward, then the votes)."
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ import torch
 from starlette.concurrency import run_in_threadpool
 
 from embedding.device import resolve_device
+from embedding.sysalloc import release_free_memory
 from embedding.thumbnails import make_thumbnail
 
 from .batcher import MicroBatcher
@@ -22,6 +24,8 @@ from .gallery import Classification, Gallery
 # Images up to this many pixels (per request) are decoded on the event loop: ~50 us for a
 # 28x28 PNG, against ~150 us+ for a hop to a worker thread and back under load.
 INLINE_PIXELS = 96 * 96
+# Requests decoding large images at the same time: bounds the decoded pixels in memory.
+DECODE_SLOTS = 2
 # A model slower than this per image (on one thread) gets every core; see auto_threads.
 HEAVY_MODEL_MS = 2.0
 
@@ -61,6 +65,8 @@ class ModelRuntime:
         self.settings = settings
         self.embedder = embedder
         self.gallery: Gallery | None = None  # set by `serve` once the gallery is loaded
+        # requests decoding large images at once (each holds one decoded image at a time)
+        self._decode_slots = threading.BoundedSemaphore(DECODE_SLOTS)
         self.batcher = MicroBatcher(
             self._run_batch, settings.max_batch, settings.max_wait_ms, on_batch
         )
@@ -122,19 +128,42 @@ class ModelRuntime:
     async def prepare_async(
         self, datas: list[bytes], names: list[str], thumbnails: bool = False
     ) -> list[Prepared]:
-        """Decode + preprocess uploads. The header is read on the event loop (cheap, bounded);
-        small images (at most INLINE_PIXELS in all, e.g. 28x28 or 64x64) are decoded there
-        too, because a thread hop costs more than decoding them; larger ones in a thread."""
-        imgs = [
-            open_image(d, self.settings.max_image_pixels, n)
-            for d, n in zip(datas, names, strict=True)
-        ]
-        t = thumbnails
-        if sum(i.size[0] * i.size[1] for i in imgs) <= INLINE_PIXELS:
+        """Decode + preprocess uploads. Every header is read first, on the event loop (cheap,
+        bounded): the request's pixels together must be within SNCA_MAX_REQUEST_PIXELS (413
+        `too_many_pixels` before anything is decoded). Small images (at most INLINE_PIXELS in
+        all, e.g. 28x28 or 64x64) are decoded there too, because a thread hop costs more than
+        decoding them; larger ones in a thread, one at a time, each decoded image dropped
+        once it is the model's input, and at most DECODE_SLOTS requests decoding at once: a
+        request holds at most one decoded image."""
+        s = self.settings
+        imgs = [open_image(d, s.max_image_pixels, n) for d, n in zip(datas, names, strict=True)]
+        pixels = sum(i.size[0] * i.size[1] for i in imgs)
+        if pixels > s.max_request_pixels:
+            raise ImageError(
+                413,
+                f"the {len(imgs)} images have {pixels} pixels together; the limit is "
+                f"{s.max_request_pixels} per request (SNCA_MAX_REQUEST_PIXELS)",
+                "too_many_pixels",
+            )
+        if pixels <= INLINE_PIXELS:
+            t = thumbnails
             return [self._finish(i, d, n, t) for i, d, n in zip(imgs, datas, names, strict=True)]
-        return await run_in_threadpool(
-            lambda: [self._finish(i, d, n, t) for i, d, n in zip(imgs, datas, names, strict=True)]
-        )
+        return await run_in_threadpool(self._decode_large, imgs, datas, names, thumbnails)
+
+    def _decode_large(self, imgs: list, datas, names, thumbnails: bool) -> list[Prepared]:
+        out = []
+        with self._decode_slots:
+            try:
+                for i in range(len(imgs)):
+                    out.append(self._finish(imgs[i], datas[i], names[i], thumbnails))
+                    imgs[i].close()
+                    imgs[i] = None  # its decoded pixels go now, not with the whole request
+            finally:
+                for img in imgs:
+                    if img is not None:
+                        img.close()
+                release_free_memory()  # back to the OS, not kept for the next request
+        return out
 
     def embed_stored(self, images: list[bytes]) -> tuple[np.ndarray, list[str | None]]:
         """Embed stored images (a migration re-embedding the gallery), blocking: (n_ok, d)

@@ -91,7 +91,29 @@ class LabelInfo(BaseModel):
 
 class LabelsResult(BaseModel):
     labels: list[LabelInfo]
-    total: int
+    total: int = Field(..., description="live items of every label (all pages)")
+    gallery_version: int
+    next_page_token: str | None = Field(
+        None, description="page_token for the next page; null on the last"
+    )
+
+
+class ItemInfo(BaseModel):
+    id: int
+    label: str
+    source: str = Field(..., description="trained (from the index build) or added")
+    metadata: dict | None = None
+    created_at: str = Field(..., description="when it was added (ISO 8601, UTC)")
+    thumbnail_url: str | None = Field(
+        None, description="GET this for the item's thumbnail; null when none is kept"
+    )
+
+
+class ItemsPage(BaseModel):
+    items: list[ItemInfo]
+    next_page_token: str | None = Field(
+        None, description="page_token for the next page; null on the last"
+    )
     gallery_version: int
 
 
@@ -107,4 +129,11 @@ class SnapshotResult(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    detail: str
+    """RFC 9457 problem details (application/problem+json), service/problems.py."""
+
+    type: str = Field("about:blank", description="about:blank: the status says what happened")
+    title: str = Field(..., description="the status's phrase")
+    status: int
+    detail: str = Field(..., description="what went wrong, for a person")
+    code: str = Field(..., description="why, for a program: a stable code (README's table)")
+    request_id: str = Field(..., description="the X-Request-ID of the request (logs have it)")

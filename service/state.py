@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from .gallery import Gallery
 from .metrics import Metrics
 from .migration import Report
 from .runtime import ModelRuntime
-from .snapshot import write_snapshot
+from .snapshot import Snapshotter, write_snapshot
 from .store import GalleryStore, StoreUnavailable
 
 log = logging.getLogger("snca.service")
@@ -51,6 +50,7 @@ class ServiceState:
         self.migration = migration  # what this start carried from a store of another model
         self.write_lock = threading.Lock()  # store commit + gallery apply, in sequence order
         self.writes_since_snapshot = 0
+        self.snapshots = Snapshotter(self._take_snapshot)
         self.last_write_error: str | None = None
         self.started = time.time()
         self.update_gauges()
@@ -89,16 +89,15 @@ class ServiceState:
             self.settings.snapshot_every
             and self.writes_since_snapshot >= self.settings.snapshot_every
         ):
-            threading.Thread(target=self._snapshot_quietly, daemon=True).start()
-
-    def _snapshot_quietly(self) -> None:
-        try:
-            self.snapshot()
-        except Exception:  # a failed snapshot only makes the next start replay more
-            log.exception("snapshot failed")
+            self.snapshots.request()
 
     def snapshot(self) -> tuple[int, Path]:
-        """Serialize the index (writes paused, reads go on), then write it to disk."""
+        """A snapshot now (after any in progress): see _take_snapshot."""
+        return self.snapshots.now()
+
+    def _take_snapshot(self) -> tuple[int, Path]:
+        """Serialize the index and take its seq under the write lock (writes paused, reads go
+        on): the pair is consistent. Then write it to disk."""
         with self.write_lock, self.gallery.lock.read():
             blob, tombstones = self.gallery.vectors.serialize()
             seq = self.gallery.version
@@ -116,11 +115,9 @@ class ServiceState:
         self.metrics.gallery_items.labels("trained").set(self.gallery.size() - added)
 
     def store_writable(self) -> bool:
-        p = self.store.path
-        return (
-            self.last_write_error is None and os.access(p, os.W_OK) and os.access(p.parent, os.W_OK)
-        )
+        return self.last_write_error is None and self.store.unwritable() is None
 
     def stop(self) -> None:
+        self.snapshots.close()
         self.runtime.close()
         self.store.close()

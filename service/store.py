@@ -9,6 +9,7 @@ writes after it. The store starts as a copy of the index dir's store (the traine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -51,6 +52,20 @@ class StoredItem:
     image_type: str | None
     thumbnail: bytes | None
 
+
+@dataclass
+class ItemRow:
+    """What GET /gallery/items tells of an item."""
+
+    id: int
+    label: str
+    source: str
+    metadata: dict | None
+    created_at: str
+    has_thumbnail: bool
+
+
+WAL_FILES = ("-wal", "-shm")
 
 _COLUMNS = "id, label, source, metadata, created_at, embedding, image, image_type, thumbnail"
 
@@ -214,6 +229,30 @@ class GalleryStore:
         rows = self._live_rows("id, label, source, metadata, thumbnail IS NOT NULL", ids)
         return {r[0]: (r[1], r[2], json.loads(r[3]) if r[3] else None, bool(r[4])) for r in rows}
 
+    def item_rows(
+        self, after_id: int, limit: int, label: str | None = None, item_id: int | None = None
+    ) -> list[ItemRow]:
+        """Live items with id > `after_id` in id order, at most `limit` (of `label`, or the one
+        `item_id`): a page of GET /gallery/items. Ids only grow, so a cursor of the last id
+        is stable under concurrent writes (new items come at the end)."""
+        sql = (
+            "SELECT id, label, source, metadata, created_at, thumbnail IS NOT NULL FROM items "
+            "WHERE deleted_seq IS NULL AND id > ?"
+        )
+        params: list = [int(after_id)]
+        if label is not None:
+            sql += " AND label = ?"
+            params.append(label)
+        if item_id is not None:
+            sql += " AND id = ?"
+            params.append(int(item_id))
+        with self._lock:
+            rows = self.conn.execute(sql + " ORDER BY id LIMIT ?", (*params, limit)).fetchall()
+        return [
+            ItemRow(r[0], r[1], r[2], json.loads(r[3]) if r[3] else None, r[4], bool(r[5]))
+            for r in rows
+        ]
+
     def with_thumbnails(self, ids: list[int]) -> set[int]:
         """The live items among `ids` (at most a few hundred) that have a thumbnail."""
         return {r[0] for r in self._live_rows("id", ids[:500], " AND thumbnail IS NOT NULL")}
@@ -267,11 +306,25 @@ class GalleryStore:
             return self.conn.execute("PRAGMA integrity_check").fetchone()[0]
 
     # ------------------------------------------------------------------ writes
+    def unwritable(self) -> str | None:
+        """Why the store's files cannot be written now (None: they can). SQLite maps the -shm
+        file into memory: one made unwritable under a running process (chattr +i, a remount)
+        kills it with SIGBUS on the next write instead of an error, so writes check first."""
+        for p in (self.path, *(self.path.with_name(self.path.name + x) for x in WAL_FILES)):
+            if p.exists() and not os.access(p, os.W_OK):
+                return f"the gallery store file {p} is not writable"
+        if not os.access(self.path.parent, os.W_OK):
+            return f"the gallery store's directory {self.path.parent} is not writable"
+        return None
+
     def transaction(self, fn):
         """Run fn(conn, seq) in one IMMEDIATE transaction with the next sequence number;
         return (seq, fn's result). StoreUnavailable when the store cannot be written."""
         with self._lock:
             self._ensure_writable()
+            why = self.unwritable()
+            if why is not None:
+                raise StoreUnavailable(why)
             try:
                 self.conn.execute("BEGIN IMMEDIATE")
                 try:
@@ -287,7 +340,10 @@ class GalleryStore:
                     set_meta(self.conn, "last_seq", str(seq))
                     self.conn.execute("COMMIT")
                 except BaseException:
-                    self.conn.execute("ROLLBACK")
+                    # "no transaction is active": SQLite already rolled back; the error
+                    # that matters is the one being raised, not the ROLLBACK's
+                    with contextlib.suppress(sqlite3.Error):
+                        self.conn.execute("ROLLBACK")
                     raise
             except sqlite3.OperationalError as e:
                 raise StoreUnavailable(f"the gallery store cannot be written: {e}") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Literal
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -15,19 +15,21 @@ from embedding.votes import VOTES
 
 from ..deps import GuardedRoute, access, ready_state
 from ..gallery import Classification
-from ..multipart import FormError, file_parts, is_multipart
+from ..inputs import missing, normalize_label, read_form
+from ..problems import Problem
 from ..schemas import BatchResult, ClassifyResult, ErrorBody
 from ..state import ServiceState
 
 router = APIRouter(tags=["classify"], route_class=GuardedRoute)
 
 ERRORS = {
-    400: {"model": ErrorBody, "description": "undecodable image"},
+    400: {"model": ErrorBody, "description": "undecodable image or malformed multipart body"},
     401: {"model": ErrorBody, "description": "missing or wrong API key (SNCA_PROTECT_READS)"},
     404: {"model": ErrorBody, "description": "a label in the `labels` filter is unknown"},
-    413: {"model": ErrorBody, "description": "upload or image too large"},
+    408: {"model": ErrorBody, "description": "the body arrived too slowly"},
+    413: {"model": ErrorBody, "description": "body, image or the request's pixels too large"},
     415: {"model": ErrorBody, "description": "not an image"},
-    422: {"model": ErrorBody, "description": "invalid query parameter or missing image field"},
+    422: {"model": ErrorBody, "description": "invalid or unknown query parameter, missing image"},
     503: {"model": ErrorBody, "description": "not ready"},
 }
 
@@ -57,13 +59,13 @@ _QUERY = TypeAdapter(ClassifyQuery)
 
 def _docs(field: str, many: bool) -> dict:
     """OpenAPI for a route that reads its multipart body itself (service/multipart.py)."""
-    binary = {"type": "string", "format": "binary"}
+    binary = {"type": "string", "format": "binary", "minLength": 1}
     desc = (
         "1 to SNCA_MAX_IMAGES_PER_REQUEST images"
         if many
         else "PNG, JPEG, WebP, BMP, TIFF or GIF; grey or colour"
     )
-    prop = {"type": "array", "items": binary} if many else binary
+    prop = {"type": "array", "items": binary, "minItems": 1} if many else binary
     return access(
         "read",
         **_QUERY_DOCS,
@@ -75,6 +77,7 @@ def _docs(field: str, many: bool) -> dict:
                         "type": "object",
                         "required": [field],
                         "properties": {field: {**prop, "description": desc}},
+                        "additionalProperties": False,
                     }
                 }
             },
@@ -114,11 +117,16 @@ def read_query(request: Request) -> tuple[ServiceState, int, str, tuple | None, 
         raise RequestValidationError(errs) from None
     labels = q.labels
     if labels is not None:
-        labels = tuple(sorted({lab for lab in labels if lab}))
-        missing = [lab for lab in labels if not state.gallery.has_label(lab)]
-        if missing:
-            raise HTTPException(404, f"unknown labels in the filter: {', '.join(missing)}")
+        labels = tuple(sorted({normalize_label(lab) for lab in labels} - {""}))
+        check_labels(state, labels)
     return state, q.k or state.settings.k, q.vote or state.settings.vote, labels, q.neighbors
+
+
+def check_labels(state: ServiceState, labels) -> None:
+    """404 `label_unknown` naming the labels of a filter that the gallery does not have."""
+    unknown = [lab for lab in labels if not state.gallery.has_label(lab)]
+    if unknown:
+        raise Problem(404, "label_unknown", f"unknown labels in the filter: {', '.join(unknown)}")
 
 
 def thumbnail_url(item_id: int) -> str:
@@ -163,19 +171,13 @@ def result(state: ServiceState, c: Classification, vote: str, k: int, neighbors:
 
 
 async def read_uploads(request: Request, field: str, max_files: int) -> list[bytes]:
-    """The files of multipart field `field` (at least one; 422 like FastAPI's when missing)."""
-    ct = request.headers.get("content-type", "")
-    files: dict[str, list[bytes]] = {}
-    if is_multipart(ct):
-        try:
-            files = file_parts(await request.body(), ct, max_parts=max_files + 8)
-        except FormError as e:
-            raise HTTPException(e.status, e.message) from None
-    got = files.get(field)
+    """The files of multipart field `field` (at least one; 422 like FastAPI's when missing;
+    413 `too_many_files` above `max_files`)."""
+    got = (await read_form(request, max_files + 8, (field,))).files.get(field)
     if not got:
-        raise RequestValidationError(
-            [{"type": "missing", "loc": ("body", field), "msg": "Field required", "input": None}]
-        )
+        raise missing(field)
+    if len(got) > max_files:
+        raise Problem(413, "too_many_files", f"{len(got)} images; the limit is {max_files}")
     return got
 
 
@@ -222,8 +224,6 @@ async def classify(request: Request):
     """Classify one image by its neighbours in the gallery"""
     state, *query = read_query(request)
     data = await read_uploads(request, "image", 1)
-    if len(data) > 1:
-        raise HTTPException(422, f"{len(data)} files in field image; /classify/batch takes several")
     (r,) = await answers(state, await state.runtime.prepare_async(data, ["image"]), query)
     return JSONResponse(r)
 
@@ -234,8 +234,6 @@ async def classify_batch(request: Request):
     state, *query = read_query(request)
     limit = state.settings.max_images_per_request
     datas = await read_uploads(request, "images", limit)
-    if len(datas) > limit:
-        raise HTTPException(413, f"{len(datas)} images; the limit is {limit} per request")
     names = [f"images[{i}]" for i in range(len(datas))]
     prepared = await state.runtime.prepare_async(datas, names)
     return JSONResponse({"results": await answers(state, prepared, query)})

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..deps import GuardedRoute, StateDep, access
+from ..problems import Problem
 from ..schemas import ErrorBody, SnapshotResult
 
 router = APIRouter(tags=["operations"], route_class=GuardedRoute)
@@ -17,11 +18,21 @@ async def healthz():
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Model and index loaded, store writable")
+@router.get(
+    "/readyz",
+    summary="Model and index loaded, store writable",
+    responses={
+        503: {
+            "description": "starting, migrating, stopping, or the store is not writable "
+            "(the body says which)",
+            "content": {"application/json": {}},
+        }
+    },
+)
 async def readyz(request: Request):
     host = request.app.state.snca
     if not host.ready:
-        body = {"status": host.phase, "detail": host.status()}
+        body = {"status": host.phase, "detail": host.status()}  # (a status, not a problem)
         if host.phase == "migrating":
             body["migrated"], body["total"] = host.progress
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
@@ -39,7 +50,10 @@ async def readyz(request: Request):
         body["migration"] = state.migration.to_dict()
     if not writable:
         body["store_error"] = (
-            state.last_write_error or state.store.read_only or "store path is not writable"
+            state.last_write_error
+            or state.store.read_only
+            or state.store.unwritable()
+            or "store path is not writable"
         )
     return JSONResponse(body, status_code=200 if writable else 503)
 
@@ -66,5 +80,8 @@ async def metrics(request: Request):
     openapi_extra=access("write"),
 )
 async def snapshot(state: StateDep):
-    seq, path = await run_in_threadpool(state.snapshot)
+    try:
+        seq, path = await run_in_threadpool(state.snapshot)
+    except OSError as e:
+        raise Problem(503, "snapshot_failed", f"the snapshot could not be written: {e}") from None
     return SnapshotResult(seq=seq, path=str(path))

@@ -90,6 +90,8 @@ async function classify(file) {
   const fd = new FormData();
   fd.append("image", file);
   const q = new URLSearchParams({ k: $("classify-k").value || "30", vote: $("classify-vote").value, neighbors: "true" });
+  const old = $("classify-preview").src;
+  if (old.startsWith("blob:")) URL.revokeObjectURL(old);
   $("classify-preview").src = URL.createObjectURL(file);
   try {
     const r = await api(`/classify?${q}`, { method: "POST", body: fd });
@@ -111,7 +113,11 @@ async function classify(file) {
     $("classify-neighbours").replaceChildren(...nb.map(cell));
     refreshStatus();
   } catch (e) {
+    // no previous prediction left beside a new (maybe broken) preview
     $("classify-result").hidden = true;
+    $("classify-preview").removeAttribute("src");
+    $("classify-label").textContent = "";
+    $("classify-probs").replaceChildren();
     $("classify-neighbours").replaceChildren();
     say(e.message);
   }
@@ -222,9 +228,12 @@ function dropZone(zone, input, onFile) {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
-  $("apikey").value = localStorage.getItem("snca-api-key") || "";
+  // The key lives for this tab's session only (never in localStorage, which any script of
+  // this origin could read later, and which earlier versions used: removed).
+  localStorage.removeItem("snca-api-key");
+  $("apikey").value = sessionStorage.getItem("snca-api-key") || "";
   $("apikey").addEventListener("change", () => {
-    localStorage.setItem("snca-api-key", apiKey());
+    sessionStorage.setItem("snca-api-key", apiKey());
     refreshStatus();
   });
   for (const b of document.querySelectorAll("nav button")) b.addEventListener("click", () => showTab(b.dataset.tab));

@@ -67,8 +67,19 @@ def test_classify_register_labels_search_in_the_browser(server, browser, tmp_pat
     page = browser.new_page(viewport={"width": 1100, "height": 900})
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    # a Content-Security-Policy violation is a console error: the page must need none (the
+    # deliberate 415 below logs "Failed to load resource", which is not one)
+    page.on(
+        "console",
+        lambda m: (
+            errors.append(m.text)
+            if m.type == "error" and not m.text.startswith("Failed to load resource")
+            else None
+        ),
+    )
     page.goto(server.url + "/")
     expect(page.locator("#status")).to_contain_text("items")
+    expect(page.locator("#classify-result")).to_be_hidden()  # no empty box on first load
 
     # classify: the label the API gives, and a row of neighbour thumbnails
     page.set_input_files("#classify-file", str(files["sneaker"]))
@@ -79,6 +90,15 @@ def test_classify_register_labels_search_in_the_browser(server, browser, tmp_pat
     # a 4xx from the service is shown as a readable message, not a crash
     page.set_input_files("#classify-file", str(tmp_path / "notes.png"))
     expect(page.locator("#message")).to_contain_text("415")
+    # ... and the previous prediction does not stay beside the new (broken) preview
+    expect(page.locator("#classify-result")).to_be_hidden()
+    # the API key lives for the tab's session, never in localStorage
+    page.fill("#apikey", "not-a-real-key")
+    page.dispatch_event("#apikey", "change")
+    assert page.evaluate("localStorage.getItem('snca-api-key')") is None
+    assert page.evaluate("sessionStorage.getItem('snca-api-key')") == "not-a-real-key"
+    page.fill("#apikey", "")
+    page.dispatch_event("#apikey", "change")
 
     # register a label from three images; the page classifies the first one right away
     page.click("nav button[data-tab=register]")

@@ -63,7 +63,7 @@ def test_the_example_label_is_recognised_and_takes_no_trained_class(
         files = {
             "images": ("logo.png", (tmp_path / "examples" / "logo.png").read_bytes(), "image/png")
         }
-        assert c.post("/gallery/add", data={"label": "my-logo"}, files=files).status_code == 200
+        assert c.post("/gallery/add", data={"label": "my-logo"}, files=files).status_code == 201
         second = c.post("/classify", files={"image": ("l.png", _png(logo(1)), "image/png")}).json()
         assert second["label"] == "my-logo", second  # another drawing of it is recognised
         shares = _shares(c, "my-logo", fmnist_test)

@@ -36,16 +36,16 @@ def test_disk_full_answers_503_keeps_reads_and_recovers(base_run, tmp_path, fmni
     pid = server.proc.pid
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
-            assert _add(c, "before", img).status_code == 200
+            assert _add(c, "before", img).status_code == 201
             for i in range(30):  # grow the WAL past its first pages
-                assert _add(c, f"fill{i}", img, 4).status_code == 200
+                assert _add(c, f"fill{i}", img, 4).status_code == 201
             before = c.get("/gallery/labels").json()
             _, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
             resource.prlimit(pid, resource.RLIMIT_FSIZE, (0, hard))
             failed = 0
             for i in range(20):
                 r = _add(c, f"during{i}", img, 4)
-                assert r.status_code in (200, 503), r.text
+                assert r.status_code in (201, 503), r.text
                 if r.status_code == 503:
                     failed += 1
                     assert "nothing was changed" in r.json()["detail"], r.text
@@ -57,7 +57,7 @@ def test_disk_full_answers_503_keeps_reads_and_recovers(base_run, tmp_path, fmni
             during = {x["label"]: x["count"] for x in c.get("/gallery/labels").json()["labels"]}
             resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))  # space is back
             r = _add(c, "after", img, 2)
-            assert r.status_code == 200, r.text
+            assert r.status_code == 201, r.text
             assert c.get("/readyz").status_code == 200
             acked = {x["label"]: x["count"] for x in before["labels"]}
             for lab, n in during.items():  # whatever was acknowledged during the fault
@@ -107,7 +107,7 @@ def test_read_only_store_serves_reads_refuses_writes_and_recovers(
     data = tmp_path / "serve"
     server = Server(base_run, data)
     with httpx.Client(base_url=server.url, timeout=30) as c:
-        assert _add(c, "before", img, 3).status_code == 200
+        assert _add(c, "before", img, 3).status_code == 201
         before = _labels(c)
     server.kill(stop)
     wal = data / "gallery.sqlite-wal"
@@ -136,7 +136,7 @@ def test_read_only_store_serves_reads_refuses_writes_and_recovers(
             assert _labels(c) == before
             _make_writable(server, data)  # the disk comes back read-write
             r = _add(c, "after", img, 2)
-            assert r.status_code == 200, r.text
+            assert r.status_code == 201, r.text
             assert c.get("/readyz").status_code == 200
             assert _labels(c) == {**before, "after": 2}
     finally:
@@ -214,7 +214,7 @@ def test_interleaved_writes_and_reads_stay_consistent(base_run, tmp_path, fmnist
         with httpx.Client(base_url=server.url, timeout=30) as c:
             for step in range(12):
                 r = _add(c, f"w{w}", imgs[rng.randrange(len(imgs))], 2)
-                if r.status_code != 200:
+                if r.status_code != 201:
                     errors.append(f"w{w} add {r.status_code}")
                     return
                 live |= set(r.json()["ids"])
@@ -298,7 +298,7 @@ def test_kill_9_at_random_points_of_adds_and_deletes(base_run, tmp_path, fmnist_
                                 data={"label": label, "metadata": json.dumps({"w": w})},
                                 files=[("images", ("a.png", img, "image/png"))] * 3,
                             )
-                            if r.status_code == 200:
+                            if r.status_code == 201:
                                 with lock:
                                     for i in r.json()["ids"]:
                                         acked_add[i] = label
@@ -366,9 +366,9 @@ def test_bad_index_refuses_to_start_and_bad_snapshot_is_replayed(base_run, tmp_p
     data_dir = tmp_path / "serve"
     srv = Server(base_run, data_dir)
     with httpx.Client(base_url=srv.url, timeout=30) as c:
-        assert _add(c, "a", png(fmnist_test, 0), 2).status_code == 200
+        assert _add(c, "a", png(fmnist_test, 0), 2).status_code == 201
         assert c.post("/admin/snapshot").status_code == 200
-        assert _add(c, "b", png(fmnist_test, 1), 3).status_code == 200
+        assert _add(c, "b", png(fmnist_test, 1), 3).status_code == 201
     srv.kill(signal.SIGKILL)
     snaps = [
         p for p in data_dir.rglob("*") if p.is_file() and "snapshot" in str(p.relative_to(data_dir))

@@ -1,7 +1,10 @@
-"""Property-based fuzzing of every route with schemathesis, against the service's own OpenAPI
-schema, on a real uvicorn process: no 5xx, and every response (status, content type, body)
-conforms to the published schema. Runs without a key configured, and with one, both with and
-without the header. A bounded case count here; `make stress` runs more (docs/RELIABILITY.md)."""
+"""Property-based fuzzing of every route with schemathesis `--checks all`, against the
+service's own OpenAPI document, on a real uvicorn process: no 5xx, every response (status,
+content type, body, headers) as published, schema-valid requests accepted and schema-violating
+ones refused, the security requirement as enforced. Runs without a key configured, and with
+one, with and without the header. SNCA_FUZZ_EXAMPLES (50) examples per operation; `make
+stress` runs more (docs/RELIABILITY.md). tests/service/schemathesis.toml says what OpenAPI
+cannot (image validity), tests/service/st_hooks.py works around one schemathesis bug."""
 
 import os
 import re
@@ -14,8 +17,8 @@ import pytest
 
 from .conftest import Server
 
-CHECKS = "not_a_server_error,response_schema_conformance,status_code_conformance,content_type_conformance"
-MAX_EXAMPLES = int(os.environ.get("SNCA_FUZZ_EXAMPLES", "10"))
+HERE = Path(__file__).resolve().parent
+MAX_EXAMPLES = int(os.environ.get("SNCA_FUZZ_EXAMPLES", "50"))
 
 
 def schemathesis(url: str, out: Path, *extra: str) -> tuple[int, int, int, str]:
@@ -23,6 +26,8 @@ def schemathesis(url: str, out: Path, *extra: str) -> tuple[int, int, int, str]:
     p = subprocess.run(
         [
             str(exe),
+            "--config-file",
+            str(HERE / "schemathesis.toml"),
             "run",
             f"{url}/openapi.json",
             "-n",
@@ -30,7 +35,7 @@ def schemathesis(url: str, out: Path, *extra: str) -> tuple[int, int, int, str]:
             "--seed",
             "1",
             "-c",
-            CHECKS,
+            "all",
             "--workers",
             "1",
             "--no-color",
@@ -40,6 +45,11 @@ def schemathesis(url: str, out: Path, *extra: str) -> tuple[int, int, int, str]:
         text=True,
         timeout=1200,
         cwd=out,
+        env=dict(
+            os.environ,
+            SCHEMATHESIS_HOOKS="tests.service.st_hooks",
+            PYTHONPATH=str(HERE.parents[1]),
+        ),
     )
     m = re.search(r"(\d+) generated, (\d+) passed", p.stdout)
     generated, passed = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
@@ -55,7 +65,7 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(base_run, tmp_path, k
         extra = ["-H", f"X-API-Key: {key}"] if key == "fuzz-key" else []
         rc, generated, passed, out = schemathesis(server.url, tmp_path, *extra)
         assert rc == 0, out
-        assert generated >= 300 and passed == generated, out
+        assert generated >= 10 * MAX_EXAMPLES and passed == generated, out
         assert httpx.get(server.url + "/healthz").status_code == 200
         print(f"schemathesis ({key or 'no key'}): {generated} cases, all passed")
         assert "Traceback" not in server.read_log()  # nothing crashed inside either

@@ -25,7 +25,7 @@ def _labels(url: str) -> dict[str, int]:
 def _add(url: str, label: str, raw, idxs) -> list[int]:
     files = [("images", (f"{i}.png", png(raw, i), "image/png")) for i in idxs]
     r = httpx.post(url + "/gallery/add", data={"label": label}, files=files, timeout=60)
-    assert r.status_code == 200, r.text
+    assert r.status_code == 201, r.text
     return r.json()["ids"]
 
 

@@ -53,7 +53,7 @@ def test_real_server_end_to_end_and_restart(base_run, tmp_path, fmnist_test, fmn
             data={"label": "T-shirt/top"},
             files=[("images", (f"{i}.png", png(fmnist_train, i), "image/png")) for i in shots],
         )
-        assert r.status_code == 200, r.text
+        assert r.status_code == 201, r.text
         added = r.json()["ids"]
         hits = sum(
             c.post(
@@ -113,7 +113,7 @@ def test_real_server_end_to_end_and_restart(base_run, tmp_path, fmnist_test, fmn
             data={"label": "late"},
             files={"images": ("a.png", png(fmnist_train, 0), "image/png")},
         )
-        assert r.status_code == 200
+        assert r.status_code == 201
         late = r.json()["ids"][0]
     finally:
         srv.kill(signal.SIGTERM)
@@ -159,7 +159,7 @@ def test_kill_9_during_concurrent_adds_loses_no_acknowledged_write(
                     )
                 except httpx.HTTPError:
                     return  # the server died mid-request: not acknowledged
-                if r.status_code == 200:
+                if r.status_code == 201:
                     with lock:
                         acked.append((label, r.json()["ids"]))
 

@@ -18,7 +18,7 @@ def test_migrate_added_labels_to_a_running_service(base_run, tmp_path, fmnist_te
         md = json.dumps([{"n": 0}, {"n": 1}, {"n": 2}])
         assert (
             c.post("/gallery/add", data={"label": "tee", "metadata": md}, files=files).status_code
-            == 200
+            == 201
         )
         files = [("images", ("b.png", png(fmnist_test, 5), "image/png"))]
         c.post("/gallery/add", data={"label": "other"}, files=files)

@@ -50,7 +50,7 @@ def wait_ready(client, timeout: float = 180) -> dict:
 def _add(c, label, raw, idxs, **data):
     files = [("images", (f"{i}.png", png(raw, i), "image/png")) for i in idxs]
     r = c.post("/gallery/add", data={"label": label, **data}, files=files)
-    assert r.status_code == 200, r.text
+    assert r.status_code == 201, r.text
     return r.json()["ids"]
 
 

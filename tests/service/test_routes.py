@@ -17,7 +17,7 @@ from .conftest import of_class, png
 
 def make_client(run, data_dir, **kw):
     app = create_app(Settings(model=run, data_dir=data_dir, **kw))
-    return TestClient(app)
+    return TestClient(app, base_url="http://localhost")  # a loopback Host, as the server wants
 
 
 @pytest.fixture()
@@ -101,7 +101,7 @@ def test_add_new_label_then_classify_search_delete(client, fmnist_test, fmnist_t
     files = [("images", (f"{i}.png", png(fmnist_train, i), "image/png")) for i in shots]
     md = json.dumps([{"shot": int(i)} for i in shots])
     r = client.post("/gallery/add", data={"label": "T-shirt/top", "metadata": md}, files=files)
-    assert r.status_code == 200, r.text
+    assert r.status_code == 201, r.text
     add = r.json()
     assert add["label"] == "T-shirt/top" and add["count"] == 5 and len(add["ids"]) == 5
     v1 = add["gallery_version"]
@@ -202,7 +202,7 @@ def test_api_key_on_every_mutating_route(base_run, tmp_path, fmnist_test):
             c.post(
                 "/gallery/add", data={"label": "x"}, files=f, headers={"X-API-Key": "s3cret"}
             ).status_code
-            == 200
+            == 201
         )
         assert c.post("/admin/snapshot", headers={"X-API-Key": "s3cret"}).status_code == 200
         assert c.post("/classify", files=img(fmnist_test, 0)).status_code == 200  # reads stay open
@@ -451,4 +451,4 @@ def test_api_key_from_a_file_and_empty_key_means_none(base_run, tmp_path, fmnist
         f = {"images": ("a.png", png(fmnist_test, 0), "image/png")}
         assert c.post("/gallery/add", data={"label": "x"}, files=f).status_code == 401
         h = {"X-API-Key": "from-a-secret"}
-        assert c.post("/gallery/add", data={"label": "x"}, files=f, headers=h).status_code == 200
+        assert c.post("/gallery/add", data={"label": "x"}, files=f, headers=h).status_code == 201

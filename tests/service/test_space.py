@@ -52,7 +52,7 @@ def test_service_classifies_and_learns_a_label_in_the_spatial_space(
                 for i in of_class(fmnist_train, 0, 5)
             ]
             r = c.post("/gallery/add", data={"label": "T-shirt"}, files=files)
-            assert r.status_code == 200, r.text
+            assert r.status_code == 201, r.text
             shirts = of_class(fmnist_test, 0, 20)
             labels = [
                 c.post("/classify", files={"image": ("q.png", png(fmnist_test, i))}).json()["label"]
