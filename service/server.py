@@ -1,5 +1,5 @@
 """uvicorn's HTTP protocol with the limits it lacks: a deadline for a request's headers and a
-cap on open connections. uvicorn waits for a request's headers for ever (a client that sends
+cap on open connections; and its answer to a request it cannot parse as problem details. uvicorn waits for a request's headers for ever (a client that sends
 half a request line holds its connection and file descriptor; ~20,000 such clients left the
 server with none) and accepts connections without bound. The body's deadline is the
 middleware's (service/app.py), which sees the body arrive."""
@@ -81,6 +81,12 @@ def guarded_protocol(settings: Settings) -> type[asyncio.Protocol]:
                     )
                 )
                 self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            """A request that is not HTTP (uvicorn answers it before any app): as a problem."""
+            self._disarm()
+            self.transport.write(raw_response(400, "bad_request", f"not an HTTP request: {msg}"))
+            self.transport.close()
 
         # httptools' parser callbacks
         def on_message_begin(self) -> None:

@@ -423,6 +423,13 @@ def test_every_error_is_a_problem_with_a_code(server, tee):
     problem(httpx.post(u + "/gallery/add", files={"images": ("a", tee)}), 422, "validation_error")
 
 
+def test_a_request_that_is_not_http_gets_a_problem_too(server):
+    out = raw_exchange(server.port, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n")
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"application/problem+json" in head, out
+    assert json.loads(body)["code"] == "bad_request"
+
+
 def test_the_gallery_reads_back_page_by_page_while_it_changes(server, tee):
     r = add(server.url, "pages", tee, 5, metadata='{"sku": "A-17"}')
     assert r.status_code == 201 and r.headers["location"] == f"/gallery/items/{r.json()['ids'][0]}"
