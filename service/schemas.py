@@ -92,6 +92,7 @@ class LabelInfo(BaseModel):
 class LabelsResult(BaseModel):
     labels: list[LabelInfo]
     total: int = Field(..., description="live items of every label (all pages)")
+    label_count: int = Field(..., description="labels with live items (all pages)")
     gallery_version: int
     next_page_token: str | None = Field(
         None, description="page_token for the next page; null on the last"

@@ -173,7 +173,7 @@ async def labels(
     page_token: LabelCursor = None,
 ):
     rows = state.gallery.label_table()  # by name
-    total = sum(r[1] for r in rows)
+    total, count = sum(r[1] for r in rows), len(rows)
     if page_token is not None:  # the labels after it: stable while labels come and go
         rows = [r for r in rows if r[0] > page_token]
     page = rows[:limit]
@@ -183,7 +183,11 @@ async def labels(
         out.append(LabelInfo(label=name, count=count, source=src))
     nxt = page[-1][0] if len(rows) > limit else None
     return LabelsResult(
-        labels=out, total=total, gallery_version=state.gallery.version, next_page_token=nxt
+        labels=out,
+        total=total,
+        label_count=count,
+        gallery_version=state.gallery.version,
+        next_page_token=nxt,
     )
 
 

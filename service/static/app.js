@@ -157,8 +157,16 @@ async function register(ev) {
 // ---------------------------------------------------------------- labels
 async function loadLabels() {
   try {
-    const r = await api("/gallery/labels");
-    const rows = r.labels.map((l) => {
+    // every page (the service answers up to 1,000 labels a page)
+    const all = [];
+    let token = null;
+    do {
+      const q = new URLSearchParams({ limit: "10000", ...(token ? { page_token: token } : {}) });
+      const r = await api(`/gallery/labels?${q}`);
+      all.push(...r.labels);
+      token = r.next_page_token;
+    } while (token);
+    const rows = all.map((l) => {
       const tr = document.createElement("tr");
       tr.dataset.label = l.label;
       for (const v of [l.label, String(l.count), l.source]) {
@@ -209,8 +217,8 @@ async function search(file) {
 // ---------------------------------------------------------------- wiring
 async function refreshStatus() {
   try {
-    const r = await api("/gallery/labels");
-    $("status").textContent = `${r.total} items · ${r.labels.length} labels · version ${r.gallery_version}`;
+    const r = await api("/gallery/labels?limit=1");
+    $("status").textContent = `${r.total} items · ${r.label_count} labels · version ${r.gallery_version}`;
   } catch (e) {
     $("status").textContent = e.message.startsWith("401") ? "API key needed" : "service unreachable";
   }

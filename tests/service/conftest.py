@@ -64,6 +64,18 @@ def of_class(raw, cls: int, n: int, start: int = 0) -> np.ndarray:
     return np.nonzero(raw.targets == cls)[0][start : start + n]
 
 
+def label_counts(client: httpx.Client) -> dict[str, int]:
+    """Every label's live count, page by page (GET /gallery/labels pages at 1,000 labels)."""
+    out, token = {}, None
+    while True:
+        params = {"page_token": token} if token else {}
+        page = client.get("/gallery/labels", params=params).json()
+        out |= {x["label"]: x["count"] for x in page["labels"]}
+        token = page["next_page_token"]
+        if token is None:
+            return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
