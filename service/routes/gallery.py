@@ -173,7 +173,7 @@ async def labels(
     page_token: LabelCursor = None,
 ):
     rows = state.gallery.label_table()  # by name
-    total, count = sum(r[1] for r in rows), len(rows)
+    total, n_labels = sum(r[1] for r in rows), len(rows)
     if page_token is not None:  # the labels after it: stable while labels come and go
         rows = [r for r in rows if r[0] > page_token]
     page = rows[:limit]
@@ -185,7 +185,7 @@ async def labels(
     return LabelsResult(
         labels=out,
         total=total,
-        label_count=count,
+        label_count=n_labels,
         gallery_version=state.gallery.version,
         next_page_token=nxt,
     )

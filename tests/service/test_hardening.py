@@ -472,4 +472,5 @@ def test_the_gallery_reads_back_page_by_page_while_it_changes(server, tee):
         if token is None:
             break
     assert labels == sorted(labels) and "pages" in labels and len(labels) == len(set(labels))
+    assert page["label_count"] == len(labels)  # every page counts all of them
     assert len(labels) > 3
