@@ -9,7 +9,7 @@ OUT ?= runs/demo
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run train test install data browser lint bench reproduce stress audit clean
+.PHONY: run train test install data browser postgres lint bench reproduce stress audit clean
 
 TRAIN_ARGS = --dataset fashion-mnist --arch conv4 --loss nca --epochs $(EPOCHS) --out $(OUT) --overwrite
 # The model is reused when OUT holds a finished run of EPOCHS epochs (RETRAIN=1 retrains).
@@ -38,7 +38,7 @@ train: install data ## (re)train the default model and rebuild its index; the ga
 	$(PY) -m training $(TRAIN_ARGS)
 	$(PY) -m index_builder $(OUT) --out $(OUT)/index --reuse --thumbnails
 
-test: install data browser ## set up, then lint (rules + formatting) and run the whole test suite
+test: install data browser postgres ## set up, then lint (rules + formatting) and run the whole test suite
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
@@ -77,6 +77,18 @@ browser:
 		|| { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium >/dev/null; } \
 		|| { echo "cannot install chromium: the browser tests will fail" >&2; exit 1; }; \
 	else echo "no apt-get: install Chromium at /usr/bin/chromium for the browser tests" >&2; exit 1; fi
+
+# Debian's PostgreSQL for the replica tests (tests/service/pg.py starts its own server in a
+# temporary dir on a free loopback port; nothing is left running or installed as a service).
+postgres:
+	@if ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then echo "PostgreSQL: $$(ls -d /usr/lib/postgresql/*/bin | tail -1)"; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo "sudo -n"); \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$$SUDO apt-get install -y -q postgresql >/dev/null \
+		|| { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q postgresql >/dev/null; } \
+		|| { echo "cannot install postgresql: the replica tests will fail" >&2; exit 1; }; \
+	else echo "no apt-get: install PostgreSQL (pg_ctl under /usr/lib/postgresql/*/bin) for the replica tests" >&2; exit 1; fi
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -4,7 +4,10 @@ Created by the index builder for the items of a training run (source 'trained');
 adds items (source 'added', with the uploaded image so a new model can re-embed them) and marks
 deletions. Every item keeps its embedding, so the in-memory index can always be rebuilt from the
 store. Writes are numbered (add_seq / deleted_seq, meta 'last_seq'): an index snapshot records
-the last write it contains and start-up replays the later ones. Schema versioned in `meta`.
+the last write it contains and start-up replays the later ones. Every write also appends one row
+to `log` (seq, op, items): the ordered, gap-free change log that every serving process follows
+(meta 'log_floor': writes at or below it may have left no row, e.g. before schema 3 or after a
+compaction). Schema versioned in `meta`.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from pathlib import Path
 
 from .errors import ArtifactError
 
-STORE_SCHEMA_VERSION = 2
-# Version 1 lacks items.thumbnail: read as is, upgraded in place by `migrate_store`.
-READABLE_SCHEMAS = ("1", "2")
+STORE_SCHEMA_VERSION = 3
+# Version 1 lacks items.thumbnail, 2 the log table: read as is, upgraded by `migrate_store`.
+READABLE_SCHEMAS = ("1", "2", "3")
 SOURCES = ("trained", "added")
 
 _SCHEMA = """
@@ -43,7 +46,15 @@ CREATE TABLE items (
 CREATE INDEX items_live_label ON items (label) WHERE deleted_seq IS NULL;
 CREATE INDEX items_add_seq ON items (add_seq);
 CREATE INDEX items_deleted_seq ON items (deleted_seq) WHERE deleted_seq IS NOT NULL;
+""" + """
+CREATE TABLE log (
+    seq   INTEGER PRIMARY KEY,           -- the write's sequence number (1, 2, ... no gaps)
+    op    TEXT    NOT NULL,              -- add | delete | migrate
+    items INTEGER NOT NULL,              -- items it added or deleted
+    at    TEXT    NOT NULL               -- ISO 8601, UTC
+);
 """
+_LOG_TABLE = _SCHEMA[_SCHEMA.index("CREATE TABLE log") :]
 
 
 def utc_now() -> str:
@@ -80,6 +91,7 @@ def create_store(
             "schema_version": str(STORE_SCHEMA_VERSION),
             "created_at": now,
             "last_seq": "0",
+            "log_floor": "0",
             "next_id": str(max_id + 1),
             **(meta or {}),
         }
@@ -127,13 +139,21 @@ def open_store(
 
 def migrate_store(conn: sqlite3.Connection) -> bool:
     """Upgrade a writable store to the current schema in one transaction; True if it changed.
-    1 -> 2: items.thumbnail (NULL for existing items)."""
+    1 -> 2: items.thumbnail (NULL for existing items). 2 -> 3: the change log (empty; its floor
+    is the last write so far, whose history lives only in items.add_seq/deleted_seq)."""
     version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
     if version == str(STORE_SCHEMA_VERSION):
         return False
     conn.execute("BEGIN IMMEDIATE")
     try:
-        conn.execute("ALTER TABLE items ADD COLUMN thumbnail BLOB")
+        if int(version) < 2:
+            conn.execute("ALTER TABLE items ADD COLUMN thumbnail BLOB")
+        if int(version) < 3:
+            conn.execute(_LOG_TABLE)
+            conn.execute(
+                "INSERT OR REPLACE INTO meta (key, value) "
+                "SELECT 'log_floor', value FROM meta WHERE key = 'last_seq'"
+            )
         conn.execute(
             "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(STORE_SCHEMA_VERSION),)
         )

@@ -8,9 +8,13 @@ default, which no training or index build touches. Started on a store made under
 (a retrain), the service first carries every added item to the new model by re-embedding its
 stored image; /readyz reports the progress.
 
+Several processes share one gallery: `--workers N` runs N on this port (one SQLite store);
+`--store postgresql://USER@HOST:PORT/DB` makes replicas on several hosts share one database.
+A read with the header `X-Min-Gallery-Version: N` waits until write N is applied here.
+
 Every option can also come from the environment (SNCA_MODEL, SNCA_INDEX, SNCA_DATA_DIR,
-SNCA_STORE, SNCA_PORT, SNCA_API_KEY, ...; see service/config.py); flags win over the
-environment.
+SNCA_STORE, SNCA_WORKERS, SNCA_PORT, SNCA_API_KEY, ...; see service/config.py); flags win over
+the environment.
 """
 
 from __future__ import annotations
@@ -36,7 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, help="training run dir (default SNCA_MODEL or runs/demo)")
     p.add_argument("--index", type=Path, help="index dir (default MODEL/index)")
     p.add_argument(
-        "--store", type=Path, help="the service's gallery store (default DATA_DIR/gallery.sqlite)"
+        "--store",
+        help="the gallery store: a SQLite file (default DATA_DIR/gallery.sqlite), or "
+        "postgresql://USER[:PASSWORD]@HOST:PORT/DB for replicas on several hosts",
+    )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        help="serving processes on this port sharing the gallery store (1); torch threads are "
+        "split between them",
     )
     p.add_argument(
         "--data-dir",
@@ -105,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         print(f"snca-serve: error: {msgs}", file=sys.stderr)
         return 2
+    from .workers import WORKER_FD, signal_ready_when, supervise
+
+    worker_fd = os.environ.get(WORKER_FD)
+    if settings.workers > 1 and worker_fd is None:
+        return supervise(sys.argv[1:] if argv is None else argv, settings)
     from embedding.sysalloc import keep_freed_memory
 
     keep_freed_memory()
@@ -128,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"snca-serve: error: {e}", file=sys.stderr)
         return 2
     app = create_app(host=host)
+    signal_ready_when(host)  # a worker of --workers N: tell the supervisor
     import gc
 
     # Start-up made ~1M long-lived objects (torch, FastAPI); keep full collections from
@@ -160,15 +178,23 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=30,
-        http=guarded_protocol(settings),  # header deadline, connection cap
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=30,
+            http=guarded_protocol(settings),  # header deadline, connection cap
+        )
     )
+    if worker_fd is None:
+        server.run()
+    else:  # one of --workers N: accept on the supervisor's socket
+        import socket
+
+        server.run(sockets=[socket.socket(fileno=int(worker_fd))])
     if host.error is not None:
         print(f"snca-serve: error: {host.error}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from embedding.votes import VOTES
 
 from .datadir import STORE_FILE, default_data_dir
+from .pgstore import is_postgres_url
 
 
 class Settings(BaseSettings):
@@ -23,8 +24,13 @@ class Settings(BaseSettings):
     # artifacts (run dir, index dir: build outputs) and the user's gallery (the data dir)
     model: Path = Field(Path("runs/demo"), description="training run dir (model card + weights)")
     index: Path | None = Field(None, description="snca-build-index's index dir (MODEL/index)")
-    # the service's gallery store (SQLite): a copy of the index dir's store on the first start
-    store: Path | None = Field(None, description="the gallery store (DATA_DIR/gallery.sqlite)")
+    # the service's gallery store: a SQLite file (a copy of the index dir's store on the first
+    # start) or a PostgreSQL URL (seeded from the index dir's store by the first replica)
+    store: str | None = Field(
+        None,
+        description="the gallery store: a SQLite file (default DATA_DIR/gallery.sqlite) or "
+        "postgresql://USER[:PASSWORD]@HOST:PORT/DB (replicas on several hosts)",
+    )
     data_dir: Path | None = Field(
         None,
         description="the user's gallery: store, snapshots, previous stores; never written by "
@@ -107,6 +113,27 @@ class Settings(BaseSettings):
     snapshot_every: int = Field(
         1000, ge=0, description="snapshot the index after this many writes (0: only on demand)"
     )
+    follow_poll_s: float | None = Field(
+        None,
+        gt=0,
+        le=60,
+        description="replicas: how often to look for other processes' writes (default: 0.01 s "
+        "on SQLite, which has no notifications; 1 s on PostgreSQL, a fallback for LISTEN/NOTIFY)",
+    )
+    min_version_wait_s: float = Field(
+        2.0,
+        ge=0,
+        le=60,
+        description="X-Min-Gallery-Version: how long a read waits for this replica to apply "
+        "that write before it answers 503 with Retry-After",
+    )
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="serving processes on one port sharing one gallery store (each a replica "
+        "with its own model thread; torch threads split between them)",
+    )
     migration_batch: int = Field(
         64,
         ge=1,
@@ -150,6 +177,11 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    @field_validator("store", mode="before")
+    @classmethod
+    def _store_text(cls, v):
+        return str(v) if isinstance(v, Path) else v
+
     @field_validator("vote")
     @classmethod
     def _known_vote(cls, v: str) -> str:
@@ -175,8 +207,23 @@ class Settings(BaseSettings):
         if self.data_dir is None:
             self.data_dir = default_data_dir(self.model)
         if self.store is None:
-            self.store = self.data_dir / STORE_FILE
+            self.store = str(self.data_dir / STORE_FILE)
+        elif "://" in self.store and not is_postgres_url(self.store):
+            raise ValueError(
+                f"store {self.store.split('://')[0]}://...: give a SQLite file path or a "
+                "postgresql://USER@HOST:PORT/DB URL"
+            )
         return self
+
+    @property
+    def store_url(self) -> str | None:
+        """The PostgreSQL URL when the store is one, else None (a SQLite file)."""
+        return self.store if is_postgres_url(self.store) else None
+
+    @property
+    def store_path(self) -> Path:
+        """The SQLite store's file (for a PostgreSQL store: where one would be, unused)."""
+        return Path(self.store) if self.store_url is None else self.data_dir / STORE_FILE
 
     @property
     def store_is_default(self) -> bool:

@@ -3,6 +3,7 @@ check every route goes through (GuardedRoute), before its body is read."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Annotated, Literal
 
@@ -116,9 +117,47 @@ class GuardedRoute(APIRoute):
                     f"unknown query parameters: {', '.join(sorted(unknown))} (this route takes "
                     f"{takes})",
                 )
+            min_version = request.headers.get(MIN_VERSION_HEADER)
+            if min_version is not None:
+                await wait_for_version(request, min_version)
             return await handler(request)
 
         return guarded
+
+
+MIN_VERSION_HEADER = "X-Min-Gallery-Version"
+
+
+async def wait_for_version(request: Request, value: str) -> None:
+    """Read-your-writes across replicas: hold the request until this replica has applied write
+    `value` (a `gallery_version` another replica answered), at most SNCA_MIN_VERSION_WAIT_S;
+    then 503 + Retry-After. Polls the in-memory version (the follower applies writes on its
+    own thread and is woken by the store)."""
+    if not (value.isascii() and value.isdigit()) or len(value) > 18:
+        raise Problem(
+            422,
+            "header_invalid",
+            f"{MIN_VERSION_HEADER} must be a gallery_version: a non-negative integer, not "
+            f"{value[:40]!r}",
+        )
+    host: ServiceHost = request.app.state.snca
+    if not host.ready:
+        return  # the route answers 503 not_ready itself
+    state, want = host.state, int(value)
+    if state.gallery.version >= want:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.settings.min_version_wait_s
+    while state.gallery.version < want:
+        if loop.time() >= deadline:
+            raise Problem(
+                503,
+                "version_not_applied",
+                f"this replica is at gallery_version {state.gallery.version}, not yet at "
+                f"{want} ({MIN_VERSION_HEADER}) after {state.settings.min_version_wait_s:g} s",
+                headers={"Retry-After": "1"},
+            )
+        await asyncio.sleep(0.002)
 
 
 def ready_state(request: Request) -> ServiceState:

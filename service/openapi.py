@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from .config import Settings
-from .deps import ACCESS_KEY, KEY_SCHEME, needs_key
+from .deps import ACCESS_KEY, KEY_SCHEME, MIN_VERSION_HEADER, needs_key
 from .problems import PROBLEM_JSON
 from .schemas import ErrorBody
 
@@ -19,6 +19,17 @@ PROBLEM = {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
 EVERY_ROUTE = {
     "400": "malformed request, or a Host header this server does not answer to",
     "422": "invalid or unknown query parameter",
+    "503": f"not ready, or {MIN_VERSION_HEADER} not applied within SNCA_MIN_VERSION_WAIT_S",
+}
+
+# Read-your-writes across replicas (deps.wait_for_version), taken by every route.
+MIN_VERSION = {
+    "name": MIN_VERSION_HEADER,
+    "in": "header",
+    "required": False,
+    "description": "answer only once this process has applied this write (a gallery_version "
+    "another answer carried); waits at most SNCA_MIN_VERSION_WAIT_S, then 503",
+    "schema": {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
 }
 
 
@@ -56,8 +67,7 @@ def build(app: FastAPI, settings: Settings) -> dict:
                 responses.setdefault("403", {"description": "a write from another web origin"})
             for code, desc in EVERY_ROUTE.items():
                 responses.setdefault(code, {"description": desc})
-            if level != "public":
-                responses.setdefault("503", {"description": "not ready"})
+            op.setdefault("parameters", []).append(MIN_VERSION)
             for code, r in responses.items():
                 own = r.get("content", {}).get("application/json")
                 if code[0] in "45" and not (own is not None and not own.get("schema")):

@@ -49,7 +49,10 @@ CODES = {
     "method_not_allowed": "the route does not take this method",
     "request_timeout": "the request's headers or body arrived too slowly",
     "not_ready": "starting, migrating the gallery, or stopping",
-    "store_unavailable": "the gallery store cannot be written; nothing was changed",
+    "store_unavailable": "the gallery store cannot be reached or written; nothing was changed",
+    "version_not_applied": "this replica has not applied the X-Min-Gallery-Version write within "
+    "SNCA_MIN_VERSION_WAIT_S (retry, or ask another replica)",
+    "header_invalid": "a request header the service reads has an invalid value",
     "snapshot_failed": "the index snapshot could not be written",
     "too_many_connections": "the server holds SNCA_MAX_CONNECTIONS connections",
     "internal_error": "a bug: logged with the request id",

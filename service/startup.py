@@ -36,7 +36,7 @@ from .migration import Migration, Plan, Report, Target, plan
 from .runtime import ModelRuntime
 from .snapshot import load_snapshot
 from .state import ServiceState
-from .store import GalleryStore
+from .stores import open_gallery_store
 
 log = logging.getLogger("snca.service")
 
@@ -66,13 +66,14 @@ def open_service(settings: Settings, metrics: Metrics) -> Opening:
                 f"index {ix.path} holds {ix.dim}-d vectors but the model gives "
                 f"{runtime.embedder.dim}-d ones in space {space!r}"
             )
-        data = DataDir(settings.data_dir, settings.store)
+        data = DataDir(settings.data_dir, settings.store_path)
         data.path.mkdir(parents=True, exist_ok=True)
         adopted = None
         if settings.store_is_default and data.writable():
             adopted = data.adopt_legacy_store(settings.model)
         target = Target(model.fingerprint, ix.manifest.index_id, space, ix.dim)
-        p = plan(data.store, target) if data.store.exists() else None
+        # (a PostgreSQL store is checked when opened: carrying it to a new model is refused)
+        p = plan(data.store, target) if settings.store_url is None and data.store.exists() else None
         if p is not None and not data.writable():
             raise ArtifactError(
                 f"the gallery store {data.store} was made for another model and must be "
@@ -104,24 +105,12 @@ def finish_service(
     if o.plan is not None:
         report = _migrate(o, settings, progress)
     ix, data = o.index, o.data
-    store = GalleryStore(data.store, ix.store, o.fingerprint, ix.manifest.index_id)
+    store = open_gallery_store(settings, ix.store, o.fingerprint, ix.manifest.index_id)
     try:
-        last_seq = store.last_seq()
-        snap = load_snapshot(data.path, o.fingerprint, ix.manifest.index_id, last_seq)
-        if snap is None:
-            vectors, base_seq = VectorIndex(ix.index, ix.manifest.search_params), 0
-        else:
-            vectors = VectorIndex(snap.index, ix.manifest.search_params, snap.tombstones)
-            base_seq = snap.seq
-        # Bring the index up to the store: writes after the snapshot (or after the build).
-        replay_add = store.live_items(after_seq=base_seq)
-        for item in replay_add:
-            vectors.add(np.array([item.id], dtype=np.int64), item.embedding[None, :])
-        replay_del = [r for r in store.deleted_after(base_seq) if r[3] <= base_seq]
-        vectors.remove(np.array([r[0] for r in replay_del], dtype=np.int64))
-        g = Gallery(vectors, ix.dim, o.temperature)
-        g.load_items(store.live_items())
-        g.version = last_seq
+        loaded = load_gallery(store, ix.index, ix.manifest, o.fingerprint, data, snapshot=True)
+        g = Gallery(loaded.vectors, ix.dim, o.temperature)
+        g.load_items(loaded.items)
+        g.version = loaded.version
         # The first classify builds the gallery's vote caches and compiles the kde vote
         # (measured 16.5 ms against 2.8 ms after, 55,000 items): done here, not on a request.
         q = np.eye(1, ix.dim, dtype=np.float32)
@@ -130,8 +119,15 @@ def finish_service(
     except BaseException:
         store.close()
         raise
+
+    def rebuild() -> tuple[VectorIndex, list, int]:
+        """The built index read again from disk, brought up to the store (no snapshot)."""
+        fresh = open_index_dir(settings.index, expected_fingerprint=o.fingerprint)
+        r = load_gallery(store, fresh.index, fresh.manifest, o.fingerprint, data, snapshot=False)
+        return r.vectors, r.items, r.version
+
     state = ServiceState(
-        settings, metrics, o.runtime, store, g, data, ix.manifest, o.fingerprint, report
+        settings, metrics, o.runtime, store, g, data, ix.manifest, o.fingerprint, report, rebuild
     )
     info = o.runtime.info
     log.info(
@@ -141,12 +137,12 @@ def finish_service(
                 "model": str(settings.model),
                 "index": str(settings.index),
                 "data_dir": str(data.path),
-                "store": str(data.store),
+                "store": store.url,
                 "items": g.size(),
-                "snapshot_seq": base_seq,
-                "store_seq": last_seq,
-                "replayed_adds": len(replay_add),
-                "replayed_deletes": len(replay_del),
+                "snapshot_seq": loaded.base_seq,
+                "store_seq": loaded.version,
+                "replayed_adds": loaded.replayed_adds,
+                "replayed_deletes": loaded.replayed_deletes,
                 "device": info.device,
                 "model_mode": info.mode,
                 "space": ix.manifest.space,
@@ -158,6 +154,44 @@ def finish_service(
         },
     )
     return state
+
+
+@dataclass
+class Loaded:
+    vectors: VectorIndex
+    items: list  # every live item (store.Item)
+    version: int  # the store's last write, which the index now reflects
+    base_seq: int  # the snapshot's seq (0: the built index)
+    replayed_adds: int
+    replayed_deletes: int
+
+
+def load_gallery(store, built, manifest, fingerprint: str, data: DataDir, snapshot: bool) -> Loaded:
+    """The index snapshot (or the built index `built`) brought up to the store: writes after
+    it replayed. A snapshot older than the log's floor is not used (the deletes it misses may
+    be compacted away); the built index holds only trained items, whose rows are never
+    compacted, so it can always be brought up to date."""
+    meta = store.meta()
+    last_seq, floor = int(meta["last_seq"]), int(meta.get("log_floor", 0))
+    snap = load_snapshot(data.path, fingerprint, manifest.index_id, last_seq) if snapshot else None
+    if snap is not None and 0 < snap.seq < floor:
+        log.warning("ignoring the snapshot at write %d: the log starts after %d", snap.seq, floor)
+        snap = None
+    if snap is None:
+        vectors, base_seq = VectorIndex(built, manifest.search_params), 0
+    else:
+        vectors = VectorIndex(snap.index, manifest.search_params, snap.tombstones)
+        base_seq = snap.seq
+    # Bring the index up to the store: writes after the snapshot (or after the build), up to
+    # last_seq. Other processes may write meanwhile: their adds are left to the follower, and
+    # a delete after last_seq read here as already done makes the follower's delete a no-op.
+    items = store.live_items(upto=last_seq)
+    replay_add = [it for it in items if it.add_seq > base_seq]
+    for item in replay_add:
+        vectors.add(np.array([item.id], dtype=np.int64), item.embedding[None, :])
+    replay_del = [r for r in store.deleted_after(base_seq) if r[3] <= base_seq]
+    vectors.remove(np.array([r[0] for r in replay_del], dtype=np.int64))
+    return Loaded(vectors, items, last_seq, base_seq, len(replay_add), len(replay_del))
 
 
 def _migrate(o: Opening, settings: Settings, progress) -> Report:

@@ -1,6 +1,11 @@
 """ServiceState: everything the routes share once the service is up, complete when built
-(service/startup.py builds it): the model runtime, the store, the gallery, and the write path
-(store commit, then the gallery, in sequence order; snapshots)."""
+(service/startup.py builds it): the model runtime, the store, the gallery, the write path
+(store commit, then the gallery, in sequence order; snapshots) and the follower.
+
+Every serving process is a replica of the store's change log. Its own writes are applied
+before they are answered (read-your-writes); the follower thread applies everyone else's, in
+seq order, as the store reports them (SQLite: polled; PostgreSQL: LISTEN/NOTIFY, polled as a
+fallback). X-Min-Gallery-Version waits on `gallery.version` (deps.wait_for_version)."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from .metrics import Metrics
 from .migration import Report
 from .runtime import ModelRuntime
 from .snapshot import Snapshotter, write_snapshot
-from .store import GalleryStore, StoreUnavailable
+from .store import ChangeSet, GalleryStore, StoreUnavailable
 
 log = logging.getLogger("snca.service")
 
@@ -37,6 +42,7 @@ class ServiceState:
         manifest: IndexManifest,
         fingerprint: str,
         migration: Report | None = None,
+        rebuild=None,
     ):
         self.settings = settings
         self.metrics = metrics
@@ -52,8 +58,15 @@ class ServiceState:
         self.writes_since_snapshot = 0
         self.snapshots = Snapshotter(self._take_snapshot)
         self.last_write_error: str | None = None
+        self.follow_error: str | None = None  # why the log cannot be read now (store down)
+        self.rebuilds = 0  # times this replica rebuilt from the store (log truncated past it)
+        self._rebuild = rebuild  # () -> (VectorIndex, items, version): the start-up load again
+        self._closed = False
         self.started = time.time()
         self.update_gauges()
+        self._poll_s = settings.follow_poll_s or store.default_poll_s
+        self._follower = threading.Thread(target=self._follow, name="snca-follow", daemon=True)
+        self._follower.start()
 
     # ------------------------------------------------------------------ writes
     def add(
@@ -66,8 +79,11 @@ class ServiceState:
                 self.last_write_error = str(e)
                 raise
             self.last_write_error = None
-            self.gallery.apply_add(ids, label, emb, seq)
-            self._after_write()
+            if self.gallery.version == seq - 1:  # nobody else wrote meanwhile
+                self.gallery.apply_add(ids, label, emb, seq)
+                self._after_write()
+            else:  # another process's writes come first, then this one, from the log
+                self._catch_up_locked()
             return ids, seq
 
     def delete(self, ids: list[int]) -> tuple[list, int]:
@@ -78,9 +94,71 @@ class ServiceState:
                 self.last_write_error = str(e)
                 raise
             self.last_write_error = None
-            self.gallery.apply_delete(rows, seq)
-            self._after_write()
+            if self.gallery.version == seq - 1:
+                self.gallery.apply_delete(rows, seq)
+                self._after_write()
+            else:
+                self._catch_up_locked()
             return rows, seq
+
+    # ------------------------------------------------------------------ following the log
+    def catch_up(self) -> int:
+        """Apply every write committed after the gallery's version; the version after."""
+        with self.write_lock:
+            return self._catch_up_locked()
+
+    def _catch_up_locked(self) -> int:
+        g = self.gallery
+        cs: ChangeSet = self.store.changes_after(g.version)
+        if cs.floor > g.version > 0:
+            self._rebuild_locked(cs.floor)
+            return g.version
+        for c in cs.changes:
+            if c.seq <= g.version:
+                continue
+            if c.op == "add":
+                g.apply_add(c.ids, c.label, c.embeddings, c.seq)
+            else:
+                g.apply_delete(c.rows, c.seq)
+            self._after_write()
+        # writes that changed no item (a delete of ids already gone) move the version too
+        g.version = max(g.version, cs.last_seq)
+        return g.version
+
+    def _rebuild_locked(self, floor: int) -> None:
+        """The log no longer reaches back to this replica's version (compacted past it): load
+        the gallery again from the built index and the store, as a start does."""
+        was = self.gallery.version
+        vectors, items, version = self._rebuild()
+        self.gallery.replace(vectors, items, version)
+        self.rebuilds += 1
+        self.update_gauges()
+        log.warning(
+            "rebuilt the gallery from the store: the log starts after write %d, this replica "
+            "was at %d",
+            floor,
+            was,
+            extra={"fields": {"was": was, "floor": floor, "version": version}},
+        )
+
+    def _follow(self) -> None:
+        """The follower thread: wait for the store's head to move, then catch up."""
+        while not self._closed:
+            try:
+                head = self.store.wait_head(self.gallery.version, self._poll_s)
+                if head > self.gallery.version and not self._closed:
+                    self.catch_up()
+                if self.follow_error is not None:  # the store is back: so may writes be
+                    log.info("following the gallery store again")
+                    self.follow_error = self.last_write_error = None
+            except StoreUnavailable as e:
+                if self.follow_error is None:
+                    log.warning("cannot follow the gallery store: %s", e)
+                self.follow_error = str(e)
+                time.sleep(1.0)
+            except Exception:  # never let the follower die: log, back off, retry
+                log.exception("following the gallery store failed")
+                time.sleep(1.0)
 
     def _after_write(self) -> None:
         self.update_gauges()
@@ -115,9 +193,24 @@ class ServiceState:
         self.metrics.gallery_items.labels("trained").set(self.gallery.size() - added)
 
     def store_writable(self) -> bool:
-        return self.last_write_error is None and self.store.unwritable() is None
+        return (
+            self.last_write_error is None
+            and self.follow_error is None
+            and self.store.unwritable() is None
+        )
+
+    def store_problem(self) -> str | None:
+        """Why the store cannot be written or followed now (None: it can)."""
+        return (
+            self.last_write_error
+            or self.follow_error
+            or self.store.read_only
+            or self.store.unwritable()
+        )
 
     def stop(self) -> None:
+        self._closed = True
+        self._follower.join(timeout=5)
         self.snapshots.close()
         self.runtime.close()
         self.store.close()

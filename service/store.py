@@ -5,6 +5,11 @@ kill -9 or a power cut. Every write gets the next sequence number (meta 'last_se
 the write that added them (add_seq) and the write that deleted them (deleted_seq), so an index
 snapshot that records the last write it contains can be brought up to date by replaying the
 writes after it. The store starts as a copy of the index dir's store (the trained items).
+
+It is also the change log that every serving process follows (several workers share one store
+file in WAL mode): each write appends a row to `log` with the next seq inside the same IMMEDIATE
+transaction, and SQLite lets one writer at a time hold it, so seqs are gap-free in commit order.
+`changes_after(v)` reads, in one read transaction, the writes after v in seq order.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Item:
     source: str
     metadata: dict | None
     embedding: np.ndarray  # (d,) float32
+    add_seq: int = 0
 
 
 @dataclass
@@ -63,6 +69,60 @@ class ItemRow:
     metadata: dict | None
     created_at: str
     has_thumbnail: bool
+
+
+@dataclass
+class Change:
+    """One write of the log, as a follower applies it: an add (ids, label, embeddings) or a
+    delete (rows: id, label, embedding, source)."""
+
+    seq: int
+    op: str  # add | delete
+    ids: list[int]
+    label: str | None = None
+    embeddings: np.ndarray | None = None  # (n, d) float32, adds
+    rows: list[tuple[int, str, np.ndarray, str]] | None = None  # deletes
+
+
+@dataclass
+class ChangeSet:
+    """The writes after a version, read in one transaction: `last_seq` the store's version then,
+    `floor` the log's floor (a follower below it cannot be brought up to date from the log)."""
+
+    last_seq: int
+    floor: int
+    changes: list[Change]
+
+
+def changes_from_rows(rows, after: int) -> list[Change]:
+    """Changes in seq order from (id, label, source, embedding, add_seq, deleted_seq) rows of
+    the items added or deleted by a write after `after`."""
+    adds: dict[int, Change] = {}
+    dels: dict[int, Change] = {}
+    for item_id, label, source, emb, add_seq, deleted_seq in rows:
+        v = _vec(emb)
+        if add_seq > after:
+            c = adds.setdefault(add_seq, Change(add_seq, "add", [], label, None))
+            c.ids.append(item_id)
+            c.rows = (c.rows or []) + [(item_id, label, v, source)]
+        if deleted_seq is not None and deleted_seq > after:
+            c = dels.setdefault(deleted_seq, Change(deleted_seq, "delete", [], rows=[]))
+            c.ids.append(item_id)
+            c.rows.append((item_id, label, v, source))
+    out = []
+    for c in adds.values():
+        c.embeddings = np.stack([r[2] for r in c.rows]).astype(np.float32)
+        c.rows = None
+        out.append(c)
+    return sorted([*out, *dels.values()], key=lambda c: (c.seq, c.op != "add"))
+
+
+CHANGE_QUERY = (
+    "SELECT id, label, source, embedding, add_seq, deleted_seq FROM items "
+    "WHERE add_seq > {p} UNION ALL "
+    "SELECT id, label, source, embedding, add_seq, deleted_seq FROM items "
+    "WHERE deleted_seq > {p} AND add_seq <= {p}"
+)
 
 
 WAL_FILES = ("-wal", "-shm")
@@ -99,6 +159,10 @@ def open_unwritable(path: Path, shared: bool = False) -> sqlite3.Connection:
 
 
 class GalleryStore:
+    """The SQLite backend (the embedded default; several workers on one host share it)."""
+
+    default_poll_s = 0.01  # how often a follower polls the head: SQLite has no notifications
+
     def __init__(
         self, path: Path, seed: Path | None, model_fingerprint: str, index_id: str
     ) -> None:
@@ -110,6 +174,9 @@ class GalleryStore:
                 raise ArtifactError(f"missing gallery store {self.path}")
             self._seed(seed)
         self._lock = threading.Lock()
+        self._follow_lock = threading.Lock()
+        self._follow_conn: sqlite3.Connection | None = None
+        self.url = str(self.path)
         # None while writable; else why not (read-only filesystem): reads go on, writes get 503
         self.read_only: str | None = None
         if self._on_read_only_fs():
@@ -176,8 +243,20 @@ class GalleryStore:
             raise StoreUnavailable(str(e)) from None
 
     def _seed(self, seed: Path) -> None:
-        """Copy the built store into place atomically (temp file, fsync, rename)."""
+        """Copy the built store into place atomically (temp file, fsync, rename), once: an
+        flock makes processes that start together on a new store wait for the first."""
+        import fcntl
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path.with_name(f".{self.path.name}.seed.lock"), os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if not self.path.exists():
+                self._copy_seed(seed)
+        finally:
+            os.close(fd)
+
+    def _copy_seed(self, seed: Path) -> None:
         tmp = self.path.with_name(f".{self.path.name}.seed-{os.getpid()}")
         shutil.copyfile(seed, tmp)
         with open(tmp, "rb+") as f:
@@ -193,15 +272,103 @@ class GalleryStore:
     def last_seq(self) -> int:
         return int(self.meta()["last_seq"])
 
-    def live_items(self, after_seq: int = -1) -> list[Item]:
-        """Live items added after write `after_seq` (-1: all), in id order."""
+    # ------------------------------------------------------------------ the log (followers)
+    def _reader(self) -> sqlite3.Connection:
+        """A connection of the follower's own (reads never wait behind this process's writes)."""
+        if self._follow_conn is None:
+            self._follow_conn = (
+                open_unwritable(self.path, shared=True)
+                if self.read_only
+                else (sqlite3.connect(self.path, check_same_thread=False, isolation_level=None))
+            )
+            self._follow_conn.execute("PRAGMA busy_timeout=5000")
+        return self._follow_conn
+
+    def head(self) -> int:
+        """The last committed write (what a follower polls: one indexed row)."""
+        with self._follow_lock:
+            try:
+                return int(
+                    self._reader()
+                    .execute("SELECT value FROM meta WHERE key = 'last_seq'")
+                    .fetchone()[0]
+                )
+            except sqlite3.DatabaseError as e:
+                raise StoreUnavailable(f"the gallery store cannot be read: {e}") from None
+
+    def wait_head(self, after: int, timeout: float) -> int:
+        """The head once it is past `after`, or after `timeout` seconds (SQLite: polled)."""
+        import time
+
+        h = self.head()
+        if h <= after:
+            time.sleep(timeout)
+            h = self.head()
+        return h
+
+    def changes_after(self, after: int) -> ChangeSet:
+        """Every write after `after`, in seq order, read in one transaction."""
+        with self._follow_lock:
+            conn = self._reader()
+            try:
+                conn.execute("BEGIN")
+                try:
+                    meta = dict(
+                        conn.execute(
+                            "SELECT key, value FROM meta WHERE key IN ('last_seq', 'log_floor')"
+                        )
+                    )
+                    rows = conn.execute(
+                        CHANGE_QUERY.format(p="?"), (after, after, after)
+                    ).fetchall()
+                finally:
+                    conn.execute("COMMIT")
+            except sqlite3.DatabaseError as e:
+                raise StoreUnavailable(f"the gallery store cannot be read: {e}") from None
+        return ChangeSet(
+            int(meta["last_seq"]), int(meta.get("log_floor", 0)), changes_from_rows(rows, after)
+        )
+
+    def log_gaps(self) -> tuple[int, int, list[int]]:
+        """(floor, last_seq, the seqs in (floor, last_seq] that have no log row): the check
+        that the log is gap-free."""
+        with self._lock:
+            meta = read_meta(self.conn)
+            have = {r[0] for r in self.conn.execute("SELECT seq FROM log")}
+        floor, last = int(meta.get("log_floor", 0)), int(meta["last_seq"])
+        return floor, last, [s for s in range(floor + 1, last + 1) if s not in have]
+
+    def compact(self, upto: int) -> int:
+        """Forget history up to write `upto`: the rows of added items deleted by then and their
+        log rows go, the log's floor moves to `upto` (a replica behind it rebuilds from the
+        store). Trained items' rows stay: a rebuild starts from the built index, which holds
+        them. Returns the item rows removed."""
+        with self._lock:
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                n = self.conn.execute(
+                    "DELETE FROM items WHERE source = 'added' AND deleted_seq <= ?", (upto,)
+                ).rowcount
+                self.conn.execute("DELETE FROM log WHERE seq <= ?", (upto,))
+                floor = int(read_meta(self.conn).get("log_floor", 0))
+                set_meta(self.conn, "log_floor", str(max(floor, upto)))
+                self.conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    self.conn.execute("ROLLBACK")
+                raise
+        return n
+
+    def live_items(self, after_seq: int = -1, upto: int | None = None) -> list[Item]:
+        """Live items added by a write after `after_seq` (-1: all) and not after `upto`, in id
+        order."""
         with self._lock:
             rows = self.conn.execute(
-                "SELECT id, label, source, metadata, embedding FROM items "
-                "WHERE deleted_seq IS NULL AND add_seq > ? ORDER BY id",
-                (after_seq,),
+                "SELECT id, label, source, metadata, embedding, add_seq FROM items "
+                "WHERE deleted_seq IS NULL AND add_seq > ? AND add_seq <= ? ORDER BY id",
+                (after_seq, upto if upto is not None else 2**62),
             ).fetchall()
-        return [Item(r[0], r[1], r[2], None, _vec(r[4])) for r in rows]
+        return [Item(r[0], r[1], r[2], None, _vec(r[4]), r[5]) for r in rows]
 
     def deleted_after(self, seq: int) -> list[tuple[int, str, np.ndarray, int]]:
         """(id, label, embedding, add_seq) of items deleted by a write after `seq`."""
@@ -317,9 +484,10 @@ class GalleryStore:
             return f"the gallery store's directory {self.path.parent} is not writable"
         return None
 
-    def transaction(self, fn):
-        """Run fn(conn, seq) in one IMMEDIATE transaction with the next sequence number;
-        return (seq, fn's result). StoreUnavailable when the store cannot be written."""
+    def transaction(self, fn, op: str = "migrate", count=lambda result: 0):
+        """Run fn(conn, seq) in one IMMEDIATE transaction with the next sequence number and its
+        log row (`op`, count(result) items); return (seq, fn's result). StoreUnavailable when
+        the store cannot be written."""
         with self._lock:
             self._ensure_writable()
             why = self.unwritable()
@@ -338,6 +506,10 @@ class GalleryStore:
                     )
                     result = fn(self.conn, seq)
                     set_meta(self.conn, "last_seq", str(seq))
+                    self.conn.execute(
+                        "INSERT INTO log (seq, op, items, at) VALUES (?, ?, ?, ?)",
+                        (seq, op, int(count(result)), utc_now()),
+                    )
                     self.conn.execute("COMMIT")
                 except BaseException:
                     # "no transaction is active": SQLite already rolled back; the error
@@ -382,20 +554,28 @@ class GalleryStore:
             insert_items(conn, rows, seq)
             return ids
 
-        return self.transaction(fn)
+        return self.transaction(fn, "add", len)
 
     def delete(self, ids: list[int]) -> tuple[int, list[tuple[int, str, np.ndarray, str]]]:
         """Mark the live items among `ids` deleted; return (seq, [(id, label, embedding, source)])."""
-        return self.transaction(lambda conn, seq: mark_deleted(conn, ids, seq))
+        return self.transaction(lambda conn, seq: mark_deleted(conn, ids, seq), "delete", len)
 
     def close(self) -> None:
         with self._lock:
             self.conn.close()
+        with self._follow_lock:
+            if self._follow_conn is not None:
+                self._follow_conn.close()
+                self._follow_conn = None
 
     def close_as_one_file(self) -> None:
         """Merge the write-ahead log into the database file, leave WAL mode and close: the store
         is then one self-contained file, safe to rename (a -wal beside another file would be
         read as that file's log)."""
+        with self._follow_lock:
+            if self._follow_conn is not None:
+                self._follow_conn.close()
+                self._follow_conn = None
         with self._lock:
             self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             mode = self.conn.execute("PRAGMA journal_mode=DELETE").fetchone()[0]

@@ -54,6 +54,7 @@ class Gallery:
         self.rows = Rows(dim)
         self.stats = LabelStats(dim)
         self._snapshot: Snapshot | None = None
+        self._checksum: tuple | None = None
 
     # ------------------------------------------------------------------ writes (store first)
     def load_items(self, items: list[Item]) -> None:
@@ -80,6 +81,16 @@ class Gallery:
             self.stats.add(c, emb, len(ids))
             self.version = max(self.version, seq)
 
+    def replace(self, vectors: VectorIndex, items: list[Item], version: int) -> None:
+        """Everything anew (a replica that rebuilt from the store): index, rows, statistics."""
+        with self.lock.write():
+            self.vectors = vectors
+            self.rows = Rows(self.dim)
+            self.stats = LabelStats(self.dim)
+            self._snapshot = None
+        self.load_items(items)
+        self.version = version
+
     def apply_delete(self, rows: list[tuple[int, str, np.ndarray, str]], seq: int) -> None:
         """rows: (id, label, embedding, source) of items the store marked deleted by `seq`."""
         with self.lock.write():
@@ -102,6 +113,28 @@ class Gallery:
     def labels(self) -> list[str]:
         """Every label name seen, in label-id order (some may have no items left)."""
         return self.stats.names
+
+    def checksum(self) -> str:
+        """sha256 over the live (id, label) pairs in id order, and the index's size: two
+        replicas at the same version hold the same gallery iff these match (cached per
+        change)."""
+        import hashlib
+
+        with self.lock.read():
+            key = (id(self.rows), self.rows.epoch, self.vectors.index.ntotal)
+            if self._checksum is not None and self._checksum[0] == key:
+                return self._checksum[1]
+            labels = self.rows.labels
+            live = labels >= 0
+            ids, lab = self.rows.ids[live], labels[live]
+            order = np.argsort(ids, kind="stable")
+            names = np.array([*self.stats.names, ""], dtype=object)[lab[order]]
+            h = hashlib.sha256(ids[order].astype("<i8").tobytes())
+            h.update("\x00".join(names.tolist()).encode())
+            h.update(str(self.vectors.index.ntotal - len(self.vectors.tombstones)).encode())
+            digest = h.hexdigest()[:16]
+            self._checksum = (key, digest)
+            return digest
 
     def has_label(self, name: str) -> bool:
         return name in self.stats.ids

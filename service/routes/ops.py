@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -43,18 +45,18 @@ async def readyz(request: Request):
         "model_fingerprint": state.fingerprint,
         "items": state.gallery.size(),
         "gallery_version": state.gallery.version,
+        "gallery_checksum": state.gallery.checksum(),
+        "pid": os.getpid(),
         "store_writable": writable,
         "data_dir": str(state.data.path),
     }
     if state.migration is not None:
         body["migration"] = state.migration.to_dict()
+    body["store"] = state.store.url
+    if state.rebuilds:
+        body["rebuilds"] = state.rebuilds
     if not writable:
-        body["store_error"] = (
-            state.last_write_error
-            or state.store.read_only
-            or state.store.unwritable()
-            or "store path is not writable"
-        )
+        body["store_error"] = state.store_problem() or "the store cannot be written"
     return JSONResponse(body, status_code=200 if writable else 503)
 
 

@@ -6,9 +6,14 @@ const thumbCache = new Map(); // thumbnail URL -> object URL
 
 function apiKey() { return $("apikey").value.trim(); }
 
+// The gallery_version of this page's last write: sent back on every request, so that behind a
+// load balancer the page reads its own writes on whichever replica answers.
+let lastWrite = 0;
+
 function headers() {
   const h = {};
   if (apiKey()) h["X-API-Key"] = apiKey();
+  if (lastWrite > 0) h["X-Min-Gallery-Version"] = String(lastWrite);
   return h;
 }
 
@@ -29,6 +34,11 @@ async function api(path, options = {}) {
   }
   let body = null;
   try { body = await resp.json(); } catch (_) { /* not JSON */ }
+  const method = (options.method || "GET").toUpperCase();
+  if (resp.ok && method !== "GET" && body && Number.isInteger(body.gallery_version)
+      && !path.startsWith("/classify") && !path.startsWith("/search")) {
+    lastWrite = Math.max(lastWrite, body.gallery_version);
+  }
   if (!resp.ok) {
     const detail = body && body.detail ? body.detail : resp.statusText;
     const hint = resp.status === 401 ? " — enter the server's API key at the top right" : "";

@@ -21,12 +21,16 @@ def _stages() -> set[str]:
     return set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", DOCKERFILE, re.M | re.I))
 
 
+# the scale profile's database and load balancer are official images, pinned to a major version
+OFFICIAL = {"postgres": "postgres:15-bookworm", "lb": "nginx:1.27-bookworm"}
+
+
 def test_every_service_builds_or_uses_a_built_image():
     services = COMPOSE["services"]
     built = {s["image"] for s in services.values() if "build" in s}
     assert built == {"snca:cpu", "snca:gpu"}
     for name, svc in services.items():
-        assert svc["image"] in built, name
+        assert svc["image"] in built or svc["image"] == OFFICIAL.get(name), name
         if "build" in svc:
             b = svc["build"]
             assert (ROOT / b["context"] / b["dockerfile"]).is_file()
@@ -53,10 +57,29 @@ def test_profiles_and_dependencies():
         assert s[name]["healthcheck"] == {"disable": True}, name
 
 
+def test_scale_profile_postgres_replicas_and_a_load_balancer():
+    s = COMPOSE["services"]
+    for name in ("postgres", "replica", "lb"):
+        assert s[name]["profiles"] == ["scale"], name
+    assert "pg_isready" in s["postgres"]["healthcheck"]["test"]
+    assert any(v.endswith(":/var/lib/postgresql/data") for v in s["postgres"]["volumes"])
+    r = s["replica"]
+    assert r["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert r["depends_on"]["bootstrap"]["condition"] == "service_completed_successfully"
+    assert r["environment"]["SNCA_STORE"].startswith("postgresql://snca:")
+    assert "ports" not in r and "replicas" in r["deploy"] and "/readyz" in str(r["healthcheck"])
+    assert s["lb"]["depends_on"]["replica"]["condition"] == "service_healthy"
+    conf = (ROOT / "docker" / "nginx.conf").read_text()
+    assert "server replica:8000" in conf and "proxy_next_upstream" in conf
+    assert any(v.startswith("./docker/nginx.conf:") for v in s["lb"]["volumes"])
+
+
 def test_volumes_are_declared_and_settings_exist():
     declared = set(COMPOSE["volumes"])
     fields = {f"SNCA_{f.upper()}" for f in Settings.model_fields}
     for name, svc in COMPOSE["services"].items():
+        if name in OFFICIAL:
+            continue
         for v in svc.get("volumes", []):
             # ${VAR:-default} -> its default, then SOURCE:TARGET[:ro]
             src = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", v).split(":")[0]

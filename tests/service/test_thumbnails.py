@@ -97,6 +97,8 @@ def test_version_1_store_is_upgraded_in_place(base_run, tmp_path, fmnist_test):
     # turn the service's store back into what the previous release wrote (schema 1)
     conn = sqlite3.connect(serve / "gallery.sqlite")
     conn.execute("ALTER TABLE items DROP COLUMN thumbnail")
+    conn.execute("DROP TABLE log")
+    conn.execute("DELETE FROM meta WHERE key = 'log_floor'")
     conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     conn.commit()
     conn.close()
@@ -111,6 +113,9 @@ def test_version_1_store_is_upgraded_in_place(base_run, tmp_path, fmnist_test):
         assert c.get(f"/gallery/items/{ids[0]}/thumbnail").status_code == 200
     conn = sqlite3.connect(serve / "gallery.sqlite")
     version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+    # the change log came with schema 3: empty, its floor the writes made before it
+    assert conn.execute("SELECT value FROM meta WHERE key = 'log_floor'").fetchone()[0] == "1"
+    assert conn.execute("SELECT COUNT(*) FROM log").fetchone()[0] == 1  # the add after
     assert (
         version == str(STORE_SCHEMA_VERSION)
         and conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

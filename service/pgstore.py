@@ -1,0 +1,497 @@
+"""The PostgreSQL gallery store: the system of record for replicas on several hosts.
+
+    snca-serve --store postgresql://USER@HOST:PORT/DB      (or SNCA_STORE; psycopg 3)
+
+Same tables as the SQLite store (embedding/gallery.py: meta, items, log) and the same interface
+(service/store.py's GalleryStore). One database holds one gallery.
+
+- Gap-free seq in commit order: a write locks the counter row (meta 'last_seq', SELECT ... FOR
+  UPDATE) first, so writers run one after another and a later seq can never commit before an
+  earlier one (a PostgreSQL SEQUENCE gives neither: numbers are taken outside the transaction
+  and commit in any order).
+- Followers: every write NOTIFYs `snca_gallery` with its seq (delivered at commit); a replica
+  LISTENs on its own connection and also polls the head every second, so a lost notification
+  (a dropped connection) costs at most a second.
+- Seeding: against an empty database the first process copies the index dir's store in one
+  transaction under a transaction-level advisory lock; processes that start at the same moment
+  wait on the lock and then find the gallery there (exactly once).
+- The server unreachable: every call raises StoreUnavailable (writes answer 503, reads of
+  the in-memory gallery go on); the next call reconnects.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+from embedding.errors import ArtifactError
+from embedding.gallery import STORE_SCHEMA_VERSION, utc_now
+
+from .store import (
+    ChangeSet,
+    Item,
+    ItemRow,
+    StoredItem,
+    StoreUnavailable,
+    _blob,
+    _vec,
+    changes_from_rows,
+)
+
+log = logging.getLogger("snca.store")
+
+CHANNEL = "snca_gallery"
+SEED_LOCK = 0x736E6361  # pg_advisory_xact_lock key ("snca")
+CONNECT_TIMEOUT_S = 3
+
+_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE items (
+    id          BIGINT  PRIMARY KEY,
+    label       TEXT    NOT NULL,
+    source      TEXT    NOT NULL CHECK (source IN ('trained', 'added')),
+    metadata    TEXT,
+    created_at  TEXT    NOT NULL,
+    embedding   BYTEA   NOT NULL,
+    image       BYTEA,
+    image_type  TEXT,
+    thumbnail   BYTEA,
+    add_seq     BIGINT  NOT NULL DEFAULT 0,
+    deleted_seq BIGINT
+);
+CREATE INDEX items_live_label ON items (label) WHERE deleted_seq IS NULL;
+CREATE INDEX items_add_seq ON items (add_seq);
+CREATE INDEX items_deleted_seq ON items (deleted_seq) WHERE deleted_seq IS NOT NULL;
+CREATE TABLE log (
+    seq   BIGINT  PRIMARY KEY,
+    op    TEXT    NOT NULL,
+    items INTEGER NOT NULL,
+    at    TEXT    NOT NULL
+);
+"""
+
+_COLUMNS = "id, label, source, metadata, created_at, embedding, image, image_type, thumbnail"
+
+
+def is_postgres_url(s: str | Path | None) -> bool:
+    return s is not None and str(s).startswith(("postgresql://", "postgres://"))
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for logs and /readyz)."""
+    u = urlsplit(url)
+    if u.password is None:
+        return url
+    host = u.hostname or ""
+    netloc = f"{u.username}:***@{host}" + (f":{u.port}" if u.port else "")
+    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+
+
+def _driver():
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - the serve extra installs it
+        raise ArtifactError(
+            "a postgresql:// store needs psycopg 3: pip install 'psycopg[binary]'"
+        ) from None
+    return psycopg
+
+
+class PostgresStore:
+    """GalleryStore's interface over PostgreSQL (see the module docstring)."""
+
+    default_poll_s = 1.0  # LISTEN/NOTIFY wakes followers; this is only the fallback
+    read_only: str | None = None  # a database is never on a read-only filesystem
+
+    def __init__(self, url: str, seed: Path | None, model_fingerprint: str, index_id: str):
+        self.psycopg = _driver()
+        self._dsn = url
+        self.url = redact(url)
+        self._lock = threading.Lock()
+        self._conn = None
+        self._follow_lock = threading.Lock()
+        self._listen = None
+        try:
+            self._seed_once(seed)
+            meta = self.meta()
+        except StoreUnavailable as e:
+            raise ArtifactError(f"cannot use the gallery store {self.url}: {e}") from None
+        if meta.get("model_fingerprint") != model_fingerprint:
+            raise ArtifactError(
+                f"gallery store {self.url} belongs to model "
+                f"{meta.get('model_fingerprint', '?')[:19]}..., not to the served model "
+                f"{model_fingerprint[:19]}...: carrying a PostgreSQL gallery to a new model is "
+                "not supported yet; use a new database for this model"
+            )
+        if meta.get("index_id") != index_id:
+            raise ArtifactError(
+                f"gallery store {self.url} was seeded from another index build "
+                f"({meta.get('index_id')}) than {index_id}: use the matching index dir or a new "
+                "database"
+            )
+        if meta.get("schema_version") != str(STORE_SCHEMA_VERSION):
+            raise ArtifactError(
+                f"gallery store {self.url} has schema {meta.get('schema_version')}; this version "
+                f"reads {STORE_SCHEMA_VERSION}"
+            )
+        self.dim = int(meta.get("dim", "0"))
+
+    # ------------------------------------------------------------------ connections
+    def _connect(self, autocommit: bool = False):
+        try:
+            return self.psycopg.connect(
+                self._dsn, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_S
+            )
+        except self.psycopg.Error as e:
+            raise StoreUnavailable(
+                f"cannot reach the gallery store {self.url}: {_one_line(e)}"
+            ) from None
+
+    def _run(self, fn):
+        """fn(conn) in a transaction on the shared connection (reconnecting once it broke);
+        StoreUnavailable on any database error."""
+        with self._lock:
+            if self._conn is None or self._conn.closed or self._conn.broken:
+                self._conn = self._connect()
+            try:
+                with self._conn.transaction():
+                    return fn(self._conn)
+            except self.psycopg.OperationalError as e:
+                self._drop()
+                raise StoreUnavailable(
+                    f"the gallery store {self.url} failed: {_one_line(e)}"
+                ) from None
+            except self.psycopg.Error as e:
+                raise StoreUnavailable(
+                    f"the gallery store {self.url} failed: {_one_line(e)}"
+                ) from None
+
+    def _drop(self) -> None:
+        try:
+            if self._conn is not None:
+                self._conn.close()
+        finally:
+            self._conn = None
+
+    def _seed_once(self, seed: Path | None) -> None:
+        def fn(conn):
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (SEED_LOCK,))
+            exists = conn.execute(
+                "SELECT 1 FROM information_schema.tables WHERE table_name = 'meta' "
+                "AND table_schema = current_schema()"
+            ).fetchone()
+            if exists:
+                return False
+            if seed is None:
+                raise ArtifactError(f"the gallery store {self.url} is empty and no seed was given")
+            for stmt in filter(str.strip, _SCHEMA.split(";")):
+                conn.execute(stmt)
+            n = _copy_seed(conn, seed)
+            log.info("seeded the gallery store", extra={"fields": {"store": self.url, "items": n}})
+            return True
+
+        self._run(fn)
+
+    # ------------------------------------------------------------------ reads
+    def meta(self) -> dict[str, str]:
+        return self._run(lambda c: dict(c.execute("SELECT key, value FROM meta").fetchall()))
+
+    def last_seq(self) -> int:
+        return int(self.meta()["last_seq"])
+
+    def live_items(self, after_seq: int = -1, upto: int | None = None) -> list[Item]:
+        rows = self._run(
+            lambda c: c.execute(
+                "SELECT id, label, source, embedding, add_seq FROM items "
+                "WHERE deleted_seq IS NULL AND add_seq > %s AND add_seq <= %s ORDER BY id",
+                (after_seq, upto if upto is not None else 2**62),
+            ).fetchall()
+        )
+        return [Item(r[0], r[1], r[2], None, _vec(r[3]), r[4]) for r in rows]
+
+    def deleted_after(self, seq: int) -> list[tuple[int, str, np.ndarray, int]]:
+        rows = self._run(
+            lambda c: c.execute(
+                "SELECT id, label, embedding, add_seq FROM items WHERE deleted_seq > %s", (seq,)
+            ).fetchall()
+        )
+        return [(r[0], r[1], _vec(r[2]), r[3]) for r in rows]
+
+    def items(self, ids: list[int]) -> dict[int, tuple[str, str, dict | None, bool]]:
+        rows = self._run(
+            lambda c: c.execute(
+                "SELECT id, label, source, metadata, thumbnail IS NOT NULL FROM items "
+                "WHERE deleted_seq IS NULL AND id = ANY(%s)",
+                ([int(i) for i in ids],),
+            ).fetchall()
+        )
+        return {r[0]: (r[1], r[2], json.loads(r[3]) if r[3] else None, bool(r[4])) for r in rows}
+
+    def item_rows(
+        self, after_id: int, limit: int, label: str | None = None, item_id: int | None = None
+    ) -> list[ItemRow]:
+        sql = (
+            "SELECT id, label, source, metadata, created_at, thumbnail IS NOT NULL FROM items "
+            "WHERE deleted_seq IS NULL AND id > %s"
+        )
+        params: list = [int(after_id)]
+        if label is not None:
+            sql += " AND label = %s"
+            params.append(label)
+        if item_id is not None:
+            sql += " AND id = %s"
+            params.append(int(item_id))
+        rows = self._run(
+            lambda c: c.execute(sql + " ORDER BY id LIMIT %s", (*params, limit)).fetchall()
+        )
+        return [
+            ItemRow(r[0], r[1], r[2], json.loads(r[3]) if r[3] else None, r[4], bool(r[5]))
+            for r in rows
+        ]
+
+    def with_thumbnails(self, ids: list[int]) -> set[int]:
+        rows = self._run(
+            lambda c: c.execute(
+                "SELECT id FROM items WHERE deleted_seq IS NULL AND thumbnail IS NOT NULL "
+                "AND id = ANY(%s)",
+                ([int(i) for i in ids[:500]],),
+            ).fetchall()
+        )
+        return {r[0] for r in rows}
+
+    def thumbnail(self, item_id: int) -> bytes | None:
+        row = self._run(
+            lambda c: c.execute(
+                "SELECT thumbnail FROM items WHERE id = %s AND deleted_seq IS NULL",
+                (int(item_id),),
+            ).fetchone()
+        )
+        return None if row is None or row[0] is None else bytes(row[0])
+
+    def added_items(self, after_id: int, limit: int) -> list[StoredItem]:
+        rows = self._run(
+            lambda c: c.execute(
+                f"SELECT {_COLUMNS} FROM items WHERE source = 'added' AND deleted_seq IS NULL "
+                "AND id > %s ORDER BY id LIMIT %s",
+                (after_id, limit),
+            ).fetchall()
+        )
+        return [
+            StoredItem(*[bytes(v) if isinstance(v, memoryview) else v for v in r]) for r in rows
+        ]
+
+    # ------------------------------------------------------------------ the log (followers)
+    def _listener(self):
+        if self._listen is None or self._listen.closed or self._listen.broken:
+            conn = self._connect(autocommit=True)
+            conn.execute(f"LISTEN {CHANNEL}")
+            self._listen = conn
+        return self._listen
+
+    def _follow(self, fn):
+        with self._follow_lock:
+            try:
+                return fn(self._listener())
+            except self.psycopg.Error as e:
+                if self._listen is not None:
+                    self._listen.close()
+                    self._listen = None
+                raise StoreUnavailable(
+                    f"the gallery store {self.url} failed: {_one_line(e)}"
+                ) from None
+
+    def head(self) -> int:
+        return self._follow(
+            lambda c: int(c.execute("SELECT value FROM meta WHERE key = 'last_seq'").fetchone()[0])
+        )
+
+    def wait_head(self, after: int, timeout: float) -> int:
+        """The head once a NOTIFY says it moved past `after`, or after `timeout` seconds."""
+
+        def fn(conn):
+            h = int(conn.execute("SELECT value FROM meta WHERE key = 'last_seq'").fetchone()[0])
+            if h > after:
+                return h
+            for note in conn.notifies(timeout=timeout, stop_after=1):
+                del note  # the seq it carries is re-read below (several may have come)
+            return int(conn.execute("SELECT value FROM meta WHERE key = 'last_seq'").fetchone()[0])
+
+        return self._follow(fn)
+
+    def changes_after(self, after: int) -> ChangeSet:
+        """Every write after `after`, in seq order, from one REPEATABLE READ snapshot."""
+
+        def fn(conn):
+            with conn.transaction():
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                meta = dict(
+                    conn.execute(
+                        "SELECT key, value FROM meta WHERE key IN ('last_seq', 'log_floor')"
+                    ).fetchall()
+                )
+                rows = conn.execute(
+                    "SELECT id, label, source, embedding, add_seq, deleted_seq FROM items "
+                    "WHERE add_seq > %s OR deleted_seq > %s",
+                    (after, after),
+                ).fetchall()
+            return meta, rows
+
+        meta, rows = self._follow(fn)
+        rows = [(r[0], r[1], r[2], bytes(r[3]), r[4], r[5]) for r in rows]
+        return ChangeSet(
+            int(meta["last_seq"]), int(meta.get("log_floor", 0)), changes_from_rows(rows, after)
+        )
+
+    def log_gaps(self) -> tuple[int, int, list[int]]:
+        def fn(c):
+            meta = dict(c.execute("SELECT key, value FROM meta").fetchall())
+            have = {r[0] for r in c.execute("SELECT seq FROM log").fetchall()}
+            return meta, have
+
+        meta, have = self._run(fn)
+        floor, last = int(meta.get("log_floor", 0)), int(meta["last_seq"])
+        return floor, last, [s for s in range(floor + 1, last + 1) if s not in have]
+
+    def compact(self, upto: int) -> int:
+        """As GalleryStore.compact: forget the history up to write `upto`."""
+
+        def fn(c):
+            n = c.execute(
+                "DELETE FROM items WHERE source = 'added' AND deleted_seq <= %s", (upto,)
+            ).rowcount
+            c.execute("DELETE FROM log WHERE seq <= %s", (upto,))
+            c.execute(
+                "UPDATE meta SET value = GREATEST(value::bigint, %s)::text WHERE key = 'log_floor'",
+                (upto,),
+            )
+            return n
+
+        return self._run(fn)
+
+    # ------------------------------------------------------------------ writes
+    def unwritable(self) -> str | None:
+        return None  # known only by trying: a failed write raises StoreUnavailable
+
+    def transaction(self, fn, op: str = "migrate", count=lambda result: 0):
+        """fn(conn, seq) with the next seq, its log row and a NOTIFY, in one transaction."""
+
+        def run(conn):
+            seq = (
+                int(
+                    conn.execute(
+                        "SELECT value FROM meta WHERE key = 'last_seq' FOR UPDATE"
+                    ).fetchone()[0]
+                )
+                + 1
+            )
+            result = fn(conn, seq)
+            conn.execute("UPDATE meta SET value = %s WHERE key = 'last_seq'", (str(seq),))
+            conn.execute(
+                "INSERT INTO log (seq, op, items, at) VALUES (%s, %s, %s, %s)",
+                (seq, op, int(count(result)), utc_now()),
+            )
+            conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, str(seq)))
+            return seq, result
+
+        return self._run(run)
+
+    def add(
+        self,
+        label: str,
+        embeddings: np.ndarray,
+        metadata: list[dict | None],
+        images: list[tuple[bytes, str] | None],
+        thumbnails: list[bytes | None] | None = None,
+    ) -> tuple[int, list[int]]:
+        thumbs = thumbnails if thumbnails is not None else [None] * len(embeddings)
+        now = utc_now()
+
+        def fn(conn, seq):
+            next_id = int(
+                conn.execute("SELECT value FROM meta WHERE key = 'next_id' FOR UPDATE").fetchone()[
+                    0
+                ]
+            )
+            ids = list(range(next_id, next_id + len(embeddings)))
+            conn.execute(
+                "UPDATE meta SET value = %s WHERE key = 'next_id'", (str(next_id + len(ids)),)
+            )
+            with conn.cursor() as cur:
+                cur.executemany(
+                    f"INSERT INTO items ({_COLUMNS}, add_seq) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    [
+                        (
+                            i,
+                            label,
+                            "added",
+                            None if md is None else json.dumps(md, sort_keys=True),
+                            now,
+                            _blob(e),
+                            None if img is None else img[0],
+                            None if img is None else img[1],
+                            th,
+                            seq,
+                        )
+                        for i, e, md, img, th in zip(
+                            ids, embeddings, metadata, images, thumbs, strict=True
+                        )
+                    ],
+                )
+            return ids
+
+        return self.transaction(fn, "add", len)
+
+    def delete(self, ids: list[int]) -> tuple[int, list[tuple[int, str, np.ndarray, str]]]:
+        def fn(conn, seq):
+            rows = conn.execute(
+                "UPDATE items SET deleted_seq = %s WHERE deleted_seq IS NULL AND id = ANY(%s) "
+                "RETURNING id, label, embedding, source",
+                (seq, [int(i) for i in ids]),
+            ).fetchall()
+            return [(r[0], r[1], _vec(bytes(r[2])), r[3]) for r in sorted(rows)]
+
+        return self.transaction(fn, "delete", len)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+        with self._follow_lock:
+            if self._listen is not None:
+                self._listen.close()
+                self._listen = None
+
+
+def _copy_seed(conn, seed: Path) -> int:
+    """Copy an index dir's SQLite store (meta and items) into the new tables; the row count."""
+    src = sqlite3.connect(f"file:{seed}?mode=ro", uri=True)
+    try:
+        meta = dict(src.execute("SELECT key, value FROM meta"))
+        n = 0
+        with conn.cursor().copy(
+            f"COPY items ({_COLUMNS}, add_seq, deleted_seq) FROM STDIN"
+        ) as copy:
+            cols = f"{_COLUMNS}, add_seq, deleted_seq"
+            for row in src.execute(f"SELECT {cols} FROM items ORDER BY id"):
+                copy.write_row(row)
+                n += 1
+    finally:
+        src.close()
+    meta.update(
+        schema_version=str(STORE_SCHEMA_VERSION),
+        log_floor=meta.get("last_seq", "0"),
+        seeded_at=utc_now(),
+    )
+    with conn.cursor() as cur:
+        cur.executemany("INSERT INTO meta (key, value) VALUES (%s, %s)", sorted(meta.items()))
+    return n
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
