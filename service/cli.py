@@ -117,11 +117,17 @@ def main(argv: list[str] | None = None) -> int:
         msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         print(f"snca-serve: error: {msgs}", file=sys.stderr)
         return 2
-    from .workers import WORKER_FD, signal_ready_when, supervise
+    from .workers import WORKER_FD, exec_supervisor, signal_ready_when
 
     worker_fd = os.environ.get(WORKER_FD)
     if settings.workers > 1 and worker_fd is None:
-        return supervise(sys.argv[1:] if argv is None else argv, settings)
+        exec_supervisor(
+            sys.argv[1:] if argv is None else argv,
+            settings.host,
+            settings.port,
+            settings.workers,
+            settings.torch_threads,
+        )
     from embedding.sysalloc import keep_freed_memory
 
     keep_freed_memory()

@@ -233,8 +233,13 @@ class GalleryStore:
             return
         if self._on_read_only_fs():
             raise StoreUnavailable(f"{self.read_only} (read-only)")
-        # Close the read-only connection first: SQLite shares one -shm mapping per file within
-        # a process, and the one it opened read-only would make the new connection read-only.
+        # Close the read-only connections first (the follower's too): SQLite shares one -shm
+        # mapping per file within a process, and one opened read-only would make the new
+        # connection read-only.
+        with self._follow_lock:
+            if self._follow_conn is not None:
+                self._follow_conn.close()
+                self._follow_conn = None
         self.conn.close()
         try:
             self.conn, self.read_only = self._open_writable(), None

@@ -25,8 +25,7 @@ import socket
 import subprocess
 import sys
 import time
-
-from .config import Settings
+from dataclasses import dataclass
 
 WORKER_FD = "SNCA_WORKER_FD"  # the listening socket a worker serves on
 READY_FD = "SNCA_WORKER_READY_FD"  # a pipe a worker writes one byte to once ready
@@ -48,11 +47,30 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def worker_threads(settings: Settings, cores: int | None = None) -> int:
+@dataclass
+class Plan:
+    """What the supervisor needs of the settings (it imports no model code: it stays small)."""
+
+    host: str
+    port: int
+    workers: int
+    torch_threads: int  # 0: split the cores
+
+
+def worker_threads(plan: Plan, cores: int | None = None) -> int:
     """Torch threads per worker: the given number, else the cores split between workers."""
-    if settings.torch_threads:
-        return settings.torch_threads
-    return max(1, (cores or os.cpu_count() or 1) // settings.workers)
+    if plan.torch_threads:
+        return plan.torch_threads
+    return max(1, (cores or os.cpu_count() or 1) // plan.workers)
+
+
+def exec_supervisor(argv: list[str], host: str, port: int, workers: int, threads: int):
+    """Replace this process (which imported torch to check the settings) by a bare supervisor."""
+    os.execv(
+        sys.executable,
+        [sys.executable, "-m", "service.workers", host, str(port), str(workers), str(threads),
+         *argv],
+    )  # fmt: skip
 
 
 class Worker:
@@ -82,7 +100,7 @@ class Worker:
             os.close(self.ready_r)
 
 
-def supervise(argv: list[str], settings: Settings) -> int:
+def supervise(argv: list[str], settings: Plan) -> int:
     """Run `settings.workers` workers on one port until a signal; the exit status."""
     try:
         sock = bind(settings.host, settings.port)
@@ -174,3 +192,8 @@ def signal_ready_when(host) -> None:
     import threading
 
     threading.Thread(target=run, name="ready-signal", daemon=True).start()
+
+
+if __name__ == "__main__":  # exec_supervisor: host port workers torch_threads snca-serve-args...
+    a = sys.argv[1:]
+    sys.exit(supervise(a[4:], Plan(a[0], int(a[1]), int(a[2]), int(a[3]))))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -47,6 +48,7 @@ async def readyz(request: Request):
         "gallery_version": state.gallery.version,
         "gallery_checksum": state.gallery.checksum(),
         "pid": os.getpid(),
+        "hostname": socket.gethostname(),  # which replica answered (behind a load balancer)
         "store_writable": writable,
         "data_dir": str(state.data.path),
     }

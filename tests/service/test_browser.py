@@ -77,6 +77,13 @@ def test_classify_register_labels_search_in_the_browser(server, browser, tmp_pat
             else None
         ),
     )
+    sent = []  # (method, path, X-Min-Gallery-Version) of every API request the page makes
+    page.on(
+        "request",
+        lambda r: sent.append(
+            (r.method, r.url.split(server.url, 1)[-1], r.headers.get("x-min-gallery-version"))
+        ),
+    )
     page.goto(server.url + "/")
     expect(page.locator("#status")).to_contain_text("items")
     expect(page.locator("#classify-result")).to_be_hidden()  # no empty box on first load
@@ -107,6 +114,12 @@ def test_classify_register_labels_search_in_the_browser(server, browser, tmp_pat
     page.click("#register-submit")
     expect(page.locator("#register-check")).to_contain_text("my-tee")
     expect(page.locator("#message")).to_contain_text("is in the gallery")
+    # read-your-writes behind a load balancer: after its add, the page's reads carry the
+    # gallery_version the add answered
+    add_at = next(i for i, r in enumerate(sent) if r[0] == "POST" and r[1] == "/gallery/add")
+    after = [r for r in sent[add_at + 1 :] if not r[1].startswith("/gallery/items/")]
+    assert after and all(r[2] is not None and int(r[2]) >= 1 for r in after), after
+    assert all(r[2] is None for r in sent[:add_at]), sent[:add_at]
 
     # the label list shows it with its count; delete asks first, then removes it
     page.click("nav button[data-tab=labels]")
