@@ -4,6 +4,8 @@
 #
 #   docker/scale-smoke.sh                   # build snca:cpu, up the profile, check, down -v
 #   SKIP_BUILD=1 KEEP=1 docker/scale-smoke.sh
+#   LEAN=1 docker/scale-smoke.sh           # (the default on vfs storage, a full image copy per
+#                                           # container): the bootstrap job runs with `run --rm` first
 #   LOCAL_IMAGES=1 BUILD_ARGS="--network host --build-arg BASE_IMAGE=local/python:3.11-bookworm \
 #     --build-arg TORCH_INDEX_URL=" SNCA_DATASET_DIR=/usr/share/datasets docker/scale-smoke.sh
 #                                           # the sandbox of ../shared/tools: no registry, so
@@ -44,7 +46,17 @@ fi
 
 step "up: postgres, bootstrap, $SNCA_REPLICAS replicas, lb"
 start=$SECONDS
-"${COMPOSE[@]}" up -d --scale replica="$SNCA_REPLICAS" lb || fail "compose up"
+[ "$(docker info --format '{{.Driver}}' 2>/dev/null)" = vfs ] && LEAN=${LEAN:-1}
+if [ -n "${LEAN:-}" ]; then
+    # vfs engines copy the whole image per container: run the one-shot job and remove it
+    # before the replicas start (the same order `up lb` follows, one container fewer at a time)
+    "${COMPOSE[@]}" up -d postgres || fail "postgres"
+    "${COMPOSE[@]}" run --rm bootstrap || fail "bootstrap"
+    "${COMPOSE[@]}" up -d --no-deps --scale replica="$SNCA_REPLICAS" replica || fail "replicas"
+    "${COMPOSE[@]}" up -d --no-deps lb || fail "lb"
+else
+    "${COMPOSE[@]}" up -d --scale replica="$SNCA_REPLICAS" lb || fail "compose up"
+fi
 until curl -sf "$URL/readyz" >/dev/null; do
     (( SECONDS - start < ${TIMEOUT:-1800} )) || fail "the balancer did not answer /readyz"
     sleep 3

@@ -25,7 +25,8 @@ STORE_SCHEMA_VERSION = 3
 READABLE_SCHEMAS = ("1", "2", "3")
 SOURCES = ("trained", "added")
 
-_SCHEMA = """
+_SCHEMA = (
+    """
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -46,7 +47,8 @@ CREATE TABLE items (
 CREATE INDEX items_live_label ON items (label) WHERE deleted_seq IS NULL;
 CREATE INDEX items_add_seq ON items (add_seq);
 CREATE INDEX items_deleted_seq ON items (deleted_seq) WHERE deleted_seq IS NOT NULL;
-""" + """
+"""
+    + """
 CREATE TABLE log (
     seq   INTEGER PRIMARY KEY,           -- the write's sequence number (1, 2, ... no gaps)
     op    TEXT    NOT NULL,              -- add | delete | migrate
@@ -54,6 +56,7 @@ CREATE TABLE log (
     at    TEXT    NOT NULL               -- ISO 8601, UTC
 );
 """
+)
 _LOG_TABLE = _SCHEMA[_SCHEMA.index("CREATE TABLE log") :]
 
 

@@ -145,8 +145,13 @@ class PostgresStore:
     # ------------------------------------------------------------------ connections
     def _connect(self, autocommit: bool = False):
         try:
+            # UTF-8 on the wire whatever the database's encoding: psycopg returns text as
+            # bytes from a SQL_ASCII database (initdb under the C locale makes one)
             return self.psycopg.connect(
-                self._dsn, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_S
+                self._dsn,
+                autocommit=autocommit,
+                connect_timeout=CONNECT_TIMEOUT_S,
+                client_encoding="UTF8",
             )
         except self.psycopg.Error as e:
             raise StoreUnavailable(
@@ -337,7 +342,7 @@ class PostgresStore:
                 )
                 rows = conn.execute(
                     "SELECT id, label, source, embedding, add_seq, deleted_seq FROM items "
-                    "WHERE add_seq > %s OR deleted_seq > %s",
+                    "WHERE add_seq > %s OR deleted_seq > %s ORDER BY id",
                     (after, after),
                 ).fetchall()
             return meta, rows

@@ -121,7 +121,7 @@ CHANGE_QUERY = (
     "SELECT id, label, source, embedding, add_seq, deleted_seq FROM items "
     "WHERE add_seq > {p} UNION ALL "
     "SELECT id, label, source, embedding, add_seq, deleted_seq FROM items "
-    "WHERE deleted_seq > {p} AND add_seq <= {p}"
+    "WHERE deleted_seq > {p} AND add_seq <= {p} ORDER BY id"
 )
 
 

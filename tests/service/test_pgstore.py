@@ -1,0 +1,41 @@
+"""The PostgreSQL store against a real server (tests/service/pg.py), without a service process:
+a database owned by an ordinary role, in SQL_ASCII (what initdb makes under the C locale)."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import numpy as np
+import psycopg
+
+from service.pgstore import PostgresStore, redact
+
+from .pg import postgres  # noqa: F401 (fixture)
+
+
+def test_sql_ascii_database_owned_by_a_plain_role_seeds_writes_and_follows(postgres, base_run):  # noqa: F811
+    with psycopg.connect(postgres.url(), autocommit=True) as c:
+        c.execute("CREATE ROLE snca_plain LOGIN PASSWORD 'secret-pw'")
+        c.execute(
+            "CREATE DATABASE snca_ascii OWNER snca_plain ENCODING 'SQL_ASCII' "
+            "LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
+        )
+    url = f"postgresql://snca_plain:secret-pw@127.0.0.1:{postgres.port}/snca_ascii"
+    seed = base_run / "index" / "gallery.sqlite"
+    meta = dict(sqlite3.connect(seed).execute("SELECT key, value FROM meta"))
+    store = PostgresStore(url, seed, meta["model_fingerprint"], meta["index_id"])
+    try:
+        assert store.url == redact(url) and "secret-pw" not in store.url
+        assert store.meta()["model_fingerprint"] == meta["model_fingerprint"]  # text, not bytes
+        emb = np.eye(2, store.dim, dtype=np.float32)
+        seq, ids = store.add("café", emb, [{"k": "é"}, None], [None, None])
+        seq2, gone = store.delete(ids[:1])
+        assert [g[0] for g in gone] == ids[:1]
+        cs = store.changes_after(0)
+        assert [(c.seq, c.op) for c in cs.changes] == [(seq, "add"), (seq2, "delete")]
+        assert cs.changes[0].label == "café" and cs.changes[1].ids == ids[:1]
+        assert cs.changes[0].ids == ids and np.allclose(cs.changes[0].embeddings, emb)  # id order
+        assert store.log_gaps() == (0, seq2, [])
+        assert store.items(ids)[ids[1]][0] == "café"
+    finally:
+        store.close()
