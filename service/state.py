@@ -78,7 +78,7 @@ class ServiceState:
             except StoreUnavailable as e:
                 self.last_write_error = str(e)
                 raise
-            self.last_write_error = None
+            self.last_write_error = self.follow_error = None  # the store works again
             if self.gallery.version == seq - 1:  # nobody else wrote meanwhile
                 self.gallery.apply_add(ids, label, emb, seq)
                 self._after_write()
@@ -93,7 +93,7 @@ class ServiceState:
             except StoreUnavailable as e:
                 self.last_write_error = str(e)
                 raise
-            self.last_write_error = None
+            self.last_write_error = self.follow_error = None  # the store works again
             if self.gallery.version == seq - 1:
                 self.gallery.apply_delete(rows, seq)
                 self._after_write()

@@ -235,17 +235,18 @@ class GalleryStore:
             raise StoreUnavailable(f"{self.read_only} (read-only)")
         # Close the read-only connections first (the follower's too): SQLite shares one -shm
         # mapping per file within a process, and one opened read-only would make the new
-        # connection read-only.
+        # connection read-only. The follower's lock is held until the switch is done, so it
+        # cannot reopen its connection read-only in between.
         with self._follow_lock:
             if self._follow_conn is not None:
                 self._follow_conn.close()
                 self._follow_conn = None
-        self.conn.close()
-        try:
-            self.conn, self.read_only = self._open_writable(), None
-        except ArtifactError as e:
-            self.conn = self._open_read_only()
-            raise StoreUnavailable(str(e)) from None
+            self.conn.close()
+            try:
+                self.conn, self.read_only = self._open_writable(), None
+            except ArtifactError as e:
+                self.conn = self._open_read_only()
+                raise StoreUnavailable(str(e)) from None
 
     def _seed(self, seed: Path) -> None:
         """Copy the built store into place atomically (temp file, fsync, rename), once: an
@@ -289,8 +290,18 @@ class GalleryStore:
             self._follow_conn.execute("PRAGMA busy_timeout=5000")
         return self._follow_conn
 
+    def _check_readable(self) -> None:
+        """A reader writes its read marks into the -shm mapping too: with a store file made
+        unwritable under the process (chattr +i) that is a SIGBUS, not an error, so the
+        follower checks first, as writes do (read-only stores are opened without -shm writes)."""
+        if self.read_only is None:
+            why = self.unwritable()
+            if why is not None:
+                raise StoreUnavailable(why)
+
     def head(self) -> int:
         """The last committed write (what a follower polls: one indexed row)."""
+        self._check_readable()
         with self._follow_lock:
             try:
                 return int(
@@ -313,6 +324,7 @@ class GalleryStore:
 
     def changes_after(self, after: int) -> ChangeSet:
         """Every write after `after`, in seq order, read in one transaction."""
+        self._check_readable()
         with self._follow_lock:
             conn = self._reader()
             try:
