@@ -21,6 +21,7 @@ Same tables as the SQLite store (embedding/gallery.py: meta, items, log) and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sqlite3
@@ -39,9 +40,9 @@ from .store import (
     ItemRow,
     StoredItem,
     StoreUnavailable,
-    _blob,
     _vec,
     changes_from_rows,
+    new_items,
 )
 
 log = logging.getLogger("snca.store")
@@ -414,7 +415,6 @@ class PostgresStore:
         images: list[tuple[bytes, str] | None],
         thumbnails: list[bytes | None] | None = None,
     ) -> tuple[int, list[int]]:
-        thumbs = thumbnails if thumbnails is not None else [None] * len(embeddings)
         now = utc_now()
 
         def fn(conn, seq):
@@ -427,27 +427,12 @@ class PostgresStore:
             conn.execute(
                 "UPDATE meta SET value = %s WHERE key = 'next_id'", (str(next_id + len(ids)),)
             )
+            rows = new_items(ids, label, embeddings, metadata, images, thumbnails, now)
             with conn.cursor() as cur:
                 cur.executemany(
                     f"INSERT INTO items ({_COLUMNS}, add_seq) "
                     "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                    [
-                        (
-                            i,
-                            label,
-                            "added",
-                            None if md is None else json.dumps(md, sort_keys=True),
-                            now,
-                            _blob(e),
-                            None if img is None else img[0],
-                            None if img is None else img[1],
-                            th,
-                            seq,
-                        )
-                        for i, e, md, img, th in zip(
-                            ids, embeddings, metadata, images, thumbs, strict=True
-                        )
-                    ],
+                    [(*dataclasses.astuple(r), seq) for r in rows],
                 )
             return ids
 

@@ -549,26 +549,13 @@ class GalleryStore:
         thumbnails: list[bytes | None] | None = None,
     ) -> tuple[int, list[int]]:
         """Insert len(embeddings) items of `label`; return (seq, ids)."""
-        thumbs = thumbnails if thumbnails is not None else [None] * len(embeddings)
         now = utc_now()
 
         def fn(conn, seq):
             ids = allocate_ids(conn, len(embeddings))
-            rows = [
-                StoredItem(
-                    i,
-                    label,
-                    "added",
-                    None if md is None else json.dumps(md, sort_keys=True),
-                    now,
-                    _blob(e),
-                    None if img is None else img[0],
-                    None if img is None else img[1],
-                    th,
-                )
-                for i, e, md, img, th in zip(ids, embeddings, metadata, images, thumbs, strict=True)
-            ]
-            insert_items(conn, rows, seq)
+            insert_items(
+                conn, new_items(ids, label, embeddings, metadata, images, thumbnails, now), seq
+            )
             return ids
 
         return self.transaction(fn, "add", len)
@@ -599,6 +586,25 @@ class GalleryStore:
             self.conn.close()
         if mode != "delete":
             raise StoreUnavailable(f"{self.path} is still in use elsewhere (journal mode {mode})")
+
+
+def new_items(ids, label, embeddings, metadata, images, thumbnails, now) -> list[StoredItem]:
+    """The rows of an add through the service (both backends store the same columns)."""
+    thumbs = thumbnails if thumbnails is not None else [None] * len(embeddings)
+    return [
+        StoredItem(
+            i,
+            label,
+            "added",
+            None if md is None else json.dumps(md, sort_keys=True),
+            now,
+            _blob(e),
+            None if img is None else img[0],
+            None if img is None else img[1],
+            th,
+        )
+        for i, e, md, img, th in zip(ids, embeddings, metadata, images, thumbs, strict=True)
+    ]
 
 
 # ---------------------------------------------------------------------- inside a transaction
