@@ -1,8 +1,12 @@
 """The gallery's FAISS index with deletions.
 
-Flat and IVF indexes remove ids; HNSW and GPU indexes cannot (FAISS issues #3339, #1585), so
-their deleted ids are kept as tombstones and filtered at search time with an IDSelector (the
-next snapshot or rebuild still holds them; a snapshot records them).
+Only indexes that renumber on removal (Flat and the other flat-code indexes: PQ, SQ) remove
+ids. IndexIDMap2's remove_ids assumes that renumbering: under an IVF index it compacts its id
+map while the inverted lists keep the old positions, so every later search returned other
+items' ids (found by the candidate vote's tests; regression test in test_candidate_vote.py).
+HNSW and GPU indexes cannot remove at all (FAISS issues #3339, #1585). Deleted ids of all
+those are kept as tombstones and filtered at search time with an IDSelector (the next snapshot
+or rebuild still holds them; a snapshot records them).
 """
 
 from __future__ import annotations
@@ -29,10 +33,15 @@ class VectorIndex:
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):
             return
-        try:
-            self.index.remove_ids(ids)
-        except RuntimeError:  # HNSW and GPU indexes cannot remove: filter at search time
-            self.tombstones.update(int(i) for i in ids)
+        inner = faiss.downcast_index(getattr(self.index, "index", self.index))
+        if isinstance(inner, faiss.IndexFlatCodes):
+            try:
+                self.index.remove_ids(ids)
+                return
+            except RuntimeError:
+                pass
+        # IVF (no renumbering), HNSW and GPU indexes: filter at search time
+        self.tombstones.update(int(i) for i in ids)
 
     def search(
         self, q: np.ndarray, k: int, allowed: np.ndarray | None = None
