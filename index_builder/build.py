@@ -42,6 +42,11 @@ DEFAULT_EF_SEARCH = 128
 # at efSearch 128 where efConstruction 128 reached 1.00, for 2.2x the build time (200k vectors).
 DEFAULT_EF_CONSTRUCTION = 128
 ADD_BATCH = 65536
+# --factory auto (benchmarks/gallery_scale.py measured these on Fashion-MNIST embeddings, 2 cores):
+AUTO_EXACT_MAX = 200_000  # up to here Flat: exact, and the service votes densely or fast enough
+AUTO_PQ_MIN = 5_000_000  # from here IVF-PQ (d/4 bytes a vector): IVF-Flat needs 4·d bytes
+AUTO_RECALL = 0.95  # nprobe: the smallest reaching this recall@10 on held-out queries
+AUTO_QUERIES = 1000
 
 
 @dataclass
@@ -58,6 +63,8 @@ class BuildConfig:
     batch_size: int = 512  # recompute: images per forward pass
     num_workers: int = 0  # recompute: data-loader workers
     train_sample: int | None = None  # vectors to train IVF/PQ on (default: all, up to 500k)
+    recall_target: float = AUTO_RECALL  # --factory auto: recall@10 that sets nprobe
+    auto_exact_max: int = AUTO_EXACT_MAX  # --factory auto: largest gallery indexed Flat
     data_dir: str | None = None  # recompute: where the dataset is, if not where training found it
     seed: int = 0
     progress: bool = True
@@ -262,12 +269,81 @@ def _find_hnsw(index):
     return None
 
 
+def auto_factory(n: int, d: int, exact_max: int = AUTO_EXACT_MAX) -> str:
+    """The index for a gallery of n vectors of dim d: Flat (exact) up to `exact_max`, then
+    IVF with ~4·sqrt(n) lists (a power of two; ~39+ training vectors a list), raw vectors
+    up to AUTO_PQ_MIN and PQ codes of d/4 bytes beyond (4·d bytes a vector no longer fits)."""
+    if n <= exact_max:
+        return "Flat"
+    nlist = 1 << max(4, round(np.log2(4 * np.sqrt(n))))
+    nlist = min(nlist, max(16, n // 39))
+    if n < AUTO_PQ_MIN:
+        return f"IVF{nlist},Flat"
+    m = next(m for m in (d // 4, d // 8, 16, 8, 4, 2, 1) if m >= 1 and d % m == 0)
+    return f"IVF{nlist},PQ{m}"
+
+
+def tune_recall(index, emb: np.ndarray, ids: np.ndarray, target: float, seed: int, log=_say):
+    """The smallest nprobe (IVF) or efSearch (HNSW) whose recall@10 reaches `target` on
+    AUTO_QUERIES held-out queries: vectors of the gallery, each query's own item left out of
+    both the exact answer and the index's. Returns (search params, measurement record)."""
+    import faiss
+
+    ivf = faiss.try_extract_index_ivf(index)
+    hnsw = _find_hnsw(index)
+    if ivf is None and hnsw is None:
+        return {}, {}
+    rng = np.random.default_rng(seed + 1)
+    pick = rng.choice(len(emb), min(AUTO_QUERIES, len(emb)), replace=False)
+    q = emb[pick]
+    exact = faiss.IndexFlatIP(emb.shape[1])
+    exact.add(emb)
+    _, truth = exact.search(q, 11)  # positions; drop each query's own item
+    truth_ids = [set(ids[row[row != p][:10]].tolist()) for row, p in zip(truth, pick, strict=True)]
+    own = ids[pick]
+    name = "nprobe" if ivf is not None else "efSearch"
+    values = [v for v in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)]
+    if ivf is not None:
+        values = [v for v in values if v < ivf.nlist] + [ivf.nlist]
+    else:
+        values = [v for v in values if v >= 16]
+    tried = {}
+    for v in values:
+        apply_search_params(index, {name: v})
+        _, got = index.search(q, 11)
+        hits = [
+            len(t & set(row[row != o][:10].tolist())) / max(1, len(t))
+            for t, row, o in zip(truth_ids, got, own, strict=True)
+        ]
+        tried[v] = float(np.mean(hits))
+        if tried[v] >= target:
+            break
+    best = next((v for v, r in tried.items() if r >= target), max(tried))
+    if tried[best] < target:
+        log(
+            f"warning: recall@10 {tried[best]:.3f} at {name} {best} is below the target "
+            f"{target}: the index's codes limit it (a larger PQ, or IVF-Flat)"
+        )
+    log(f"{name} {best}: recall@10 {tried[best]:.3f} on {len(pick)} held-out queries")
+    record = {
+        "recall_target": target,
+        "recall_at_10": tried[best],
+        "queries": len(pick),
+        "tried": {str(k): round(r, 4) for k, r in tried.items()},
+    }
+    return {name: best}, record
+
+
 def make_index(vec: Vectors, cfg: BuildConfig, ids: np.ndarray, log=_say):
     """Build, train and fill the index; return (CPU IndexIDMap2, search params, info)."""
     import faiss
 
     emb = vec.embeddings
     n, d = emb.shape
+    auto = cfg.factory.strip().lower() == "auto"
+    if auto:
+        cfg.factory = auto_factory(n, d, cfg.auto_exact_max)
+        log(f"--factory auto: {cfg.factory} for {n} vectors of dim {d}")
     base = parse_factory(cfg.factory, d)
     params = default_search_params(base, cfg.nprobe, cfg.ef_search)
     build_params = {}
@@ -318,6 +394,10 @@ def make_index(vec: Vectors, cfg: BuildConfig, ids: np.ndarray, log=_say):
             bar.update(min(ADD_BATCH, n - s))
     if device == "cuda":
         index = faiss.index_gpu_to_cpu(work)  # always write a CPU-readable index
+    tuned = {}
+    if auto and not (cfg.nprobe or cfg.ef_search):
+        found, tuned = tune_recall(index, emb, ids, cfg.recall_target, cfg.seed, log)
+        params.update(found)
     apply_search_params(index, params)
     info = {
         "device": device,
@@ -326,6 +406,9 @@ def make_index(vec: Vectors, cfg: BuildConfig, ids: np.ndarray, log=_say):
         "train_seconds": train_s,
         "add_seconds": time.perf_counter() - t0 - train_s,
     }
+    if auto:
+        info["factory_requested"] = "auto"
+        info["auto"] = tuned
     return index, params, info
 
 
@@ -354,7 +437,7 @@ def current_build(cfg: BuildConfig) -> IndexManifest | None:
     wanted = {"nprobe": cfg.nprobe, "efSearch": cfg.ef_search}
     same = (
         m.model_fingerprint == fingerprint
-        and (m.factory, m.source, m.space, m.thumbnails)
+        and (m.build.get("factory_requested", m.factory), m.source, m.space, m.thumbnails)
         == (cfg.factory, cfg.source, cfg.space, cfg.thumbnails)
         and all(m.search_params.get(k) == v for k, v in wanted.items() if v is not None)
         and all((Path(cfg.out) / name).is_file() for name in m.files)
@@ -377,6 +460,8 @@ def build(cfg: BuildConfig, log=_say) -> IndexManifest:
             f"the memory bank holds NCA embeddings, not {cfg.space} vectors: "
             f"--space {cfg.space} needs --source recompute"
         )
+    if not 0.0 < cfg.recall_target <= 1.0:
+        raise SNCAError(f"--recall-target {cfg.recall_target} must be in (0, 1]")
     out = Path(cfg.out)
     if cfg.reuse and (m := current_build(cfg)) is not None:
         log(f"index: {out} is already built from this model with these options; kept")

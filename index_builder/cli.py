@@ -50,7 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--factory",
         default="Flat",
         help="FAISS index factory string, inner product: Flat (exact), IVF1024,Flat, "
-        "HNSW32, IVF4096,PQ32, ...",
+        "HNSW32, IVF4096,PQ32, ...; or auto: the builder picks for the size (Flat up to "
+        "--auto-exact-max vectors, IVF-Flat up to 5M, IVF-PQ beyond) and sets nprobe from "
+        "--recall-target measured on 1,000 held-out queries (recorded in the manifest)",
+    )
+    p.add_argument(
+        "--recall-target",
+        type=float,
+        default=0.95,
+        help="--factory auto: the recall@10 nprobe must reach (default 0.95)",
+    )
+    p.add_argument(
+        "--auto-exact-max",
+        type=positive_int,
+        default=200_000,
+        help="--factory auto: galleries up to this many vectors get Flat (default 200000)",
     )
     p.add_argument(
         "--nprobe",

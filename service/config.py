@@ -41,6 +41,20 @@ class Settings(BaseSettings):
     # classification
     k: int = Field(30, ge=1, le=1000, description="neighbours that vote (kNN rule)")
     vote: str = Field("kde", description=f"default voting rule: one of {', '.join(VOTES)}")
+    candidates: int = Field(
+        1024,
+        ge=1,
+        le=16384,
+        description="galleries past exact_vote_max items vote from the index's top this many "
+        "candidates plus exact per-label statistics (1,024 keeps >= 99.5% of the exact vote's "
+        "labels on the default gallery)",
+    )
+    exact_vote_max: int = Field(
+        100_000,
+        ge=0,
+        description="galleries up to this many items keep a dense copy of every embedding and "
+        "vote exactly (faster there); beyond it the candidate vote, no dense copy",
+    )
     unknown_similarity: float = Field(
         0.5, ge=-1.0, le=1.0, description="open-set: 'unknown' when the best cosine is below this"
     )

@@ -108,7 +108,9 @@ def finish_service(
     store = open_gallery_store(settings, ix.store, o.fingerprint, ix.manifest.index_id)
     try:
         loaded = load_gallery(store, ix.index, ix.manifest, o.fingerprint, data, snapshot=True)
-        g = Gallery(loaded.vectors, ix.dim, o.temperature)
+        g = Gallery(
+            loaded.vectors, ix.dim, o.temperature, settings.candidates, settings.exact_vote_max
+        )
         g.load_items(loaded.items)
         g.version = loaded.version
         # The first classify builds the gallery's vote caches and compiles the kde vote

@@ -11,8 +11,8 @@ measures what the service serves. Adding a rule: one new file here and one entry
 
 from __future__ import annotations
 
-from .base import GalleryView, Neighbors, VoteInput, VoteRule, softmax_or_zero
-from .kde import Kde, kde_log_density, kde_prepare, kde_probs
+from .base import Candidates, GalleryView, Neighbors, VoteInput, VoteRule, softmax_or_zero
+from .kde import Kde, kde_candidates_log_density, kde_log_density, kde_prepare, kde_probs
 from .knn import Knn, knn_probs
 from .prototype import Prototype, prototype_probs
 
@@ -30,6 +30,7 @@ def get_rule(name: str) -> VoteRule:
 __all__ = [
     "RULES",
     "VOTES",
+    "Candidates",
     "GalleryView",
     "Kde",
     "Knn",
@@ -38,6 +39,7 @@ __all__ = [
     "VoteInput",
     "VoteRule",
     "get_rule",
+    "kde_candidates_log_density",
     "kde_log_density",
     "kde_prepare",
     "kde_probs",

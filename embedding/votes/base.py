@@ -75,6 +75,33 @@ class GalleryView:
         sims, idx = knn_search(queries, emb, k)
         return Neighbors(sims, lab[idx])
 
+    def candidates(self, queries: torch.Tensor, k: int, top: int) -> Candidates:
+        """The candidate-vote input of `queries` with the exact top-`top` rows as candidates
+        (what a Flat index returns): the reference for the service's index-backed one."""
+        nb = self.exact_neighbors(queries, top)
+        return Candidates(
+            queries, nb.similarities, nb.labels, self.label_sums, self.counts, self.temperature, k
+        )
+
+
+@dataclass
+class Candidates:
+    """What a rule votes from at gallery scale: each query's top-K' candidates from the index
+    (sorted by similarity, descending) plus exact per-label statistics; no similarity to every
+    row. Cost O(Q·K' + Q·C·d) whatever the gallery's size (the dense path is O(Q·N·d))."""
+
+    queries: torch.Tensor  # (Q, d) unit rows
+    similarities: torch.Tensor  # (Q, K') float32, descending
+    labels: torch.Tensor  # (Q, K') int64 label ids; -1 = padding (fewer candidates than K')
+    label_sums: torch.Tensor  # (C, d) float64 sum of each label's embeddings (exact)
+    counts: torch.Tensor  # (C,) int64 live items per label (0: none, or filtered out)
+    temperature: float  # σ
+    k: int  # neighbours that vote (rules that use neighbours), k <= K'
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.counts.shape[0])
+
 
 @dataclass
 class VoteInput:
@@ -114,6 +141,12 @@ class VoteRule(ABC):
     @abstractmethod
     def vote(self, x: VoteInput) -> torch.Tensor:
         """(Q, C) label probabilities; an all-zero row for a query no label can take."""
+
+    @abstractmethod
+    def vote_candidates(self, x: Candidates) -> torch.Tensor:
+        """The same (Q, C) probabilities from the index's top-K' candidates and the exact
+        label statistics (the vote at gallery scale); equal to `vote` where the rule needs
+        nothing beyond them, else as close as the docstring of the rule says."""
 
 
 def softmax_or_zero(logits: torch.Tensor) -> torch.Tensor:

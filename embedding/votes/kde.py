@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import GalleryView, VoteInput, VoteRule, softmax_or_zero
+from .base import Candidates, GalleryView, VoteInput, VoteRule, softmax_or_zero
 
 
 def kde_dtype(temperature: float) -> torch.dtype:
@@ -91,6 +91,49 @@ def _kde_finish(sums: torch.Tensor, counts: torch.Tensor, temperature: float) ->
     return out.masked_fill((counts <= 0).unsqueeze(0), float("-inf")).float()
 
 
+def kde_candidates_log_density(x: Candidates) -> torch.Tensor:
+    """log f_c(q) from the top-K' candidates and the exact label statistics: (Q, C).
+
+    f_c = (1/n_c) [Σ_{j∈K', y_j=c} exp(s_j/σ) + D_c], where D_c = Σ_{j∉K', y_j=c} exp(s_j/σ)
+    is the mass the truncation drops. It is not computed item by item; what is known of it
+    exactly: the r_c = n_c − m_c items of label c outside the candidates (m_c of them are
+    candidates) have mean similarity μ_c = (q·S_c − Σ_{j∈K', y_j=c} s_j) / r_c, from the label's
+    embedding sum S_c. Hence, with s_K' the K'-th candidate's similarity,
+
+        r_c·exp(μ_c/σ)  <=  D_c  <=  r_c·exp(s_K'/σ)
+
+    (left: Jensen, exp is convex; right: an exact search leaves only items at s <= s_K' out).
+    The vote takes the lower bound as the tail correction, μ_c clipped to s_K' (an approximate
+    index can miss a nearer item). It is exact when the dropped items of a label are at one
+    similarity, and it is what lets a label with no candidate still have a density (without it,
+    f_c = 0 and the label could never be second). What it can get wrong is bounded: the error
+    of log f_c is at most log(1 + (r_c·exp(s_K'/σ) − r_c·exp(μ_c/σ)) / (n_c·f_c)); with σ = 0.05
+    an item 0.2 below the K'-th candidate weighs e^-4 = 1.8% of one at s_K', so the truncation
+    matters only for labels whose mass sits right at the K'-th similarity (measured against the
+    exact vote: benchmarks/gallery_scale.py, docs/RESULTS.md).
+    """
+    dtype = torch.float64
+    q, c = x.queries.shape[0], x.num_classes
+    s = x.similarities.to(dtype)  # (Q, K')
+    valid = x.labels >= 0
+    lab = torch.where(valid, x.labels, c)  # (Q, K'): padding to the spare column C
+    w = ((s - 1.0) / x.temperature).exp().masked_fill(~valid, 0.0)  # exp((s-1)/σ), shifted
+    mass = torch.zeros(q, c + 1, dtype=dtype).scatter_add_(1, lab, w)[:, :c]  # (Q, C)
+    m = torch.zeros(q, c + 1, dtype=dtype).scatter_add_(1, lab, valid.to(dtype))[:, :c]
+    ssum = torch.zeros(q, c + 1, dtype=dtype).scatter_add_(1, lab, s.masked_fill(~valid, 0.0))
+    total = x.queries.to(dtype) @ x.label_sums.to(dtype).T  # (Q, C) q·S_c, exact
+    n = x.counts.to(dtype).unsqueeze(0)  # (1, C)
+    r = (n - m).clamp_min(0.0)  # (Q, C) items outside the candidates
+    # s_K': the last valid candidate's similarity (every row has at least one when any label
+    # has items and the index is searched with K' >= 1)
+    last = s.masked_fill(~valid, float("inf")).amin(dim=1, keepdim=True)  # (Q, 1)
+    last = torch.where(torch.isinf(last), torch.ones_like(last), last)
+    mu = ((total - ssum[:, :c]) / r.clamp_min(1.0)).clamp(min=-1.0).minimum(last)  # (Q, C)
+    tail = r * ((mu - 1.0) / x.temperature).exp()  # r_c exp((μ_c - 1)/σ), the lower bound
+    out = torch.log(mass + tail) + 1.0 / x.temperature - torch.log(n)
+    return out.masked_fill((x.counts <= 0).unsqueeze(0), float("-inf")).float()
+
+
 def kde_probs(
     similarities: torch.Tensor, labels: torch.Tensor, num_classes: int, temperature: float
 ) -> torch.Tensor:
@@ -116,4 +159,10 @@ class Kde(VoteRule):
             return torch.zeros(x.queries.shape[0], v.num_classes)
         prepared = self.prepared(v)
         logd = kde_log_density(x.similarities, v.labels, v.num_classes, v.temperature, prepared)
+        return torch.softmax(logd.nan_to_num(neginf=-1e30), dim=1)  # (Q, C)
+
+    def vote_candidates(self, x: Candidates) -> torch.Tensor:
+        if not bool((x.counts > 0).any()):
+            return torch.zeros(x.queries.shape[0], x.num_classes)
+        logd = kde_candidates_log_density(x)
         return torch.softmax(logd.nan_to_num(neginf=-1e30), dim=1)  # (Q, C)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..knn import weighted_knn_vote
-from .base import VoteInput, VoteRule
+from .base import Candidates, VoteInput, VoteRule
 
 
 def knn_probs(
@@ -24,3 +24,7 @@ class Knn(VoteRule):
     def vote(self, x: VoteInput) -> torch.Tensor:
         nb, v = x.neighbors, x.view
         return knn_probs(nb.similarities, nb.labels, v.num_classes, v.temperature, k=x.k)
+
+    def vote_candidates(self, x: Candidates) -> torch.Tensor:
+        # The k nearest are the first k candidates (k <= K'): the same vote.
+        return knn_probs(x.similarities, x.labels, x.num_classes, x.temperature, k=x.k)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import VoteInput, VoteRule, softmax_or_zero
+from .base import Candidates, VoteInput, VoteRule, softmax_or_zero
 
 
 def prototype_probs(
@@ -25,3 +25,7 @@ class Prototype(VoteRule):
     def vote(self, x: VoteInput) -> torch.Tensor:
         v = x.view
         return prototype_probs(x.queries, v.label_sums, v.counts, v.temperature)
+
+    def vote_candidates(self, x: Candidates) -> torch.Tensor:
+        # Reads only the label statistics: exact at any size.
+        return prototype_probs(x.queries, x.label_sums, x.counts, x.temperature)

@@ -1,5 +1,11 @@
-"""The in-memory gallery: the FAISS index (VectorIndex: search, kNN neighbours), the dense rows
-and per-label statistics (Rows, LabelStats), and the vote rules (embedding.votes) over them.
+"""The in-memory gallery: the FAISS index (VectorIndex: search, kNN neighbours), the rows and
+per-label statistics (Rows, LabelStats), and the vote rules (embedding.votes) over them.
+
+Two paths to the same votes. Up to `exact_max` items the rows keep a dense copy of every
+embedding and a vote reads the similarity to every row (exact; the fastest there). Beyond it
+there is no dense copy: a vote reads the index's top-K' candidates (K' = `candidates`) and the
+exact label statistics (VoteRule.vote_candidates), so its cost does not grow with the gallery
+and the memory per item is the index's bytes plus 24 (docs/PERFORMANCE.md, "gallery scale").
 
 A write is applied here only after the store committed it; readers share a lock that a write
 takes exclusively, so no reader ever sees a half-applied write.
@@ -12,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from embedding.votes import RULES, GalleryView, Kde, Neighbors, VoteRule
+from embedding.votes import RULES, Candidates, GalleryView, Kde, Neighbors, VoteRule
 
 from ..store import Item
 from .compiled import scripted_kde_top
@@ -44,11 +50,27 @@ class Snapshot:
     any_live: bool
 
 
+# Defaults measured on the 55,000-item Fashion-MNIST gallery (benchmarks/gallery_scale.py):
+# K' = 1,024 candidates keep >= 99.5% of kde's labels identical to the exact vote (512: 99.2%);
+# galleries up to EXACT_MAX items vote densely, where that is no slower.
+CANDIDATES = 1024
+EXACT_MAX = 100_000
+
+
 class Gallery:
-    def __init__(self, vectors: VectorIndex, dim: int, temperature: float):
+    def __init__(
+        self,
+        vectors: VectorIndex,
+        dim: int,
+        temperature: float,
+        candidates: int = CANDIDATES,
+        exact_max: int = EXACT_MAX,
+    ):
         self.vectors = vectors
         self.dim = dim
         self.temperature = temperature
+        self.candidates = candidates  # K': index candidates a vote reads beyond exact_max
+        self.exact_max = exact_max  # galleries up to this many items vote densely
         self.lock = RWLock()
         self.version = 0  # last store write applied
         self.rows = Rows(dim)
@@ -64,6 +86,8 @@ class Gallery:
         for it in items:
             by_label.setdefault(it.label, []).append(it)
         with self.lock.write():
+            if self.rows.n == 0:
+                self.rows = Rows(self.dim, dense=self.rows.n + len(items) <= self.exact_max)
             for name in sorted(by_label):
                 group = by_label[name]
                 c = self.stats.id_of(name)
@@ -79,13 +103,16 @@ class Gallery:
             c = self.stats.id_of(label)
             self.rows.append(idarr, c, emb)
             self.stats.add(c, emb, len(ids))
+            if self.rows.dense and self.size() > self.exact_max:
+                self.rows.drop_embeddings()  # outgrew the dense path: candidates from now on
+                self._snapshot = None
             self.version = max(self.version, seq)
 
     def replace(self, vectors: VectorIndex, items: list[Item], version: int) -> None:
         """Everything anew (a replica that rebuilt from the store): index, rows, statistics."""
         with self.lock.write():
             self.vectors = vectors
-            self.rows = Rows(self.dim)
+            self.rows = Rows(self.dim, dense=len(items) <= self.exact_max)
             self.stats = LabelStats(self.dim)
             self._snapshot = None
         self.load_items(items)
@@ -175,7 +202,8 @@ class Gallery:
             if kk <= 0:
                 return np.full((len(q), 0), -1.0), np.full((len(q), 0), -1), []
             sims, ids = self.vectors.search(q, kk, allowed)
-            names = [[self._name(self.rows.label_of(i)) for i in row] for row in ids]
+            lab = self.rows.labels_of(ids)
+            names = [[self._name(int(c)) for c in row] for row in lab]
             return sims, ids, names
 
     def _unfiltered(self) -> Snapshot:
@@ -238,6 +266,8 @@ class Gallery:
                 else torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
             )
             allowed, allowed_labels = self._allowed(labels)
+            if not self.rows.dense:
+                return self._classify_candidates(qt, rule, k, allowed, allowed_labels, neighbors)
             if allowed_labels is None:
                 snap = self._unfiltered()
                 view, live, any_live = snap.view, snap.live, snap.any_live
@@ -273,6 +303,45 @@ class Gallery:
                 vals, idx, total = v.tolist(), i.tolist(), probs.sum(dim=1).tolist()
             return self._results(best.tolist(), vals, idx, total, hits if neighbors else None)
 
+    def _classify_candidates(
+        self,
+        qt: torch.Tensor,
+        rule: VoteRule,
+        k: int,
+        allowed: np.ndarray | None,
+        allowed_labels: np.ndarray | None,
+        neighbors: bool,
+    ) -> list[Classification]:
+        """The vote at gallery scale: the index's top-K' candidates (K' >= k) and the exact
+        label statistics, no similarity to every row (see the module docstring)."""
+        counts = self.stats.counts
+        if allowed_labels is not None:  # a label filter: the other labels have no items
+            counts = np.where(np.isin(np.arange(len(counts)), allowed_labels), counts, 0)
+        live = int(counts.sum())
+        kk = min(max(self.candidates, k), live)
+        if kk <= 0:
+            return self._results([-1.0] * len(qt), None, None, None)
+        sims, ids = self.vectors.search(qt.numpy(), kk, allowed)  # (B, kk) descending
+        lab = self.rows.labels_of(ids)  # (B, kk), -1 for padding
+        x = Candidates(
+            qt,
+            torch.from_numpy(sims),
+            torch.from_numpy(lab),
+            torch.from_numpy(self.stats.sums),
+            torch.from_numpy(counts),
+            self.temperature,
+            k,
+        )
+        probs = rule.vote_candidates(x)  # (B, C)
+        best = np.where(lab[:, 0] >= 0, sims[:, 0], -1.0).tolist()
+        top = min(5, probs.shape[1])
+        v, i = probs.topk(top, dim=1)
+        hits = None
+        if neighbors:
+            kn = min(k, kk)
+            hits = (x.similarities[:, :kn], torch.from_numpy(ids[:, :kn]), x.labels[:, :kn])
+        return self._results(best, v.tolist(), i.tolist(), probs.sum(dim=1).tolist(), hits)
+
     def _neighbors(self, qt: torch.Tensor, k: int, allowed: np.ndarray | None, live: int):
         """(sims (B, k'), ids (B, k'), label ids (B, k')) of the k' = min(k, live) nearest
         items from the index, as tensors; -1 ids and labels pad."""
@@ -281,7 +350,7 @@ class Gallery:
             empty = torch.zeros(len(qt), 0)
             return empty, empty.long(), empty.long()
         s, ids = self.vectors.search(qt.numpy(), kk, allowed)
-        lab = np.array([[self.rows.label_of(i) for i in row] for row in ids], dtype=np.int64)
+        lab = self.rows.labels_of(ids)
         return torch.from_numpy(s), torch.from_numpy(ids), torch.from_numpy(lab)
 
     def _results(self, best, vals, idx, total, hits=None) -> list[Classification]:

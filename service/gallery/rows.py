@@ -1,8 +1,9 @@
-"""The gallery's dense rows and per-label statistics, kept exact under adds and deletes.
+"""The gallery's rows and per-label statistics, kept exact under adds and deletes.
 
-The dense (n, d) matrix of every live embedding is what the kde and prototype votes and the
-best-similarity read; the statistics (live count, added count, embedding sum per label) are
-what the label table and the prototype vote read.
+The rows map every live item to its label id; on the dense path (small galleries) they also
+hold every embedding in one (n, d) matrix, which the exact votes read. The statistics (live
+count, added count, embedding sum per label) are what the label table, the prototype vote and
+the candidate vote's tail (embedding.votes.kde) read.
 """
 
 from __future__ import annotations
@@ -59,23 +60,31 @@ class LabelStats:
 
 
 class Rows:
-    """Every live embedding in one dense matrix, appended to. A deleted row keeps its place
-    with label -1 until deleted rows are a quarter of the matrix; then they are compacted away.
-    `epoch` changes whenever rows or their labels change: what a reader derived from them
-    (GalleryView) is stale when its epoch differs."""
+    """Every live item's id and label id, appended to, and (on the dense path, `dense=True`)
+    its embedding in one (n, d) matrix. A deleted row keeps its place with label -1 until
+    deleted rows are a quarter of the matrix; then they are compacted away. Ids map to rows
+    through an array indexed by id (8 bytes per id, lookups vectorised: a candidate vote looks
+    up Q·K' ids per batch). `epoch` changes whenever rows or their labels change: what a reader
+    derived from them (GalleryView) is stale when its epoch differs.
 
-    def __init__(self, dim: int, capacity: int = 1024):
+    Bytes per item: 24 (id, label, row of id) + 4·d with the dense matrix."""
+
+    def __init__(self, dim: int, capacity: int = 1024, dense: bool = True):
         self.dim = dim
-        self._emb = np.zeros((capacity, dim), dtype=np.float32)
+        self.dense = dense
+        self._emb = np.zeros((capacity if dense else 0, dim), dtype=np.float32)
         self._label = np.full(capacity, -1, dtype=np.int64)  # -1: deleted row
         self._id = np.full(capacity, -1, dtype=np.int64)
+        self._row_of = np.full(capacity, -1, dtype=np.int64)  # item id -> row, -1: none
         self.n = 0
-        self._row_of: dict[int, int] = {}
         self.epoch = 0
 
     @property
     def embeddings(self) -> np.ndarray:
-        """(n, d) float32, a view (deleted rows included); replaced when the matrix grows."""
+        """(n, d) float32, a view (deleted rows included); replaced when the matrix grows.
+        Only on the dense path."""
+        if not self.dense:
+            raise RuntimeError("this gallery keeps no dense embedding matrix")
         return self._emb[: self.n]
 
     @property
@@ -88,41 +97,66 @@ class Rows:
         """(n,) int64 item id per row (a view)."""
         return self._id[: self.n]
 
+    def drop_embeddings(self) -> None:
+        """Leave the dense path for good (the gallery outgrew it): free the matrix."""
+        self.dense = False
+        self._emb = np.zeros((0, self.dim), dtype=np.float32)
+        self.epoch += 1
+
     def append(self, ids: np.ndarray, label: int, emb: np.ndarray) -> None:
         n = len(ids)
         while self.n + n > len(self._id):
             grow = len(self._id)
-            self._emb = np.vstack([self._emb, np.zeros((grow, self.dim), dtype=np.float32)])
+            if self.dense:
+                self._emb = np.vstack([self._emb, np.zeros((grow, self.dim), dtype=np.float32)])
             self._label = np.concatenate([self._label, np.full(grow, -1)])
             self._id = np.concatenate([self._id, np.full(grow, -1)])
+        top = int(ids.max()) + 1 if n else 0
+        if top > len(self._row_of):
+            size = max(top, 2 * len(self._row_of))
+            self._row_of = np.concatenate(
+                [self._row_of, np.full(size - len(self._row_of), -1, dtype=np.int64)]
+            )
         r = self.n
-        self._emb[r : r + n] = emb
+        if self.dense:
+            self._emb[r : r + n] = emb
         self._label[r : r + n] = label
         self._id[r : r + n] = ids
-        for i, item_id in enumerate(ids):
-            self._row_of[int(item_id)] = r + i
+        self._row_of[ids] = np.arange(r, r + n)
         self.n += n
         self.epoch += 1
 
+    def _row(self, item_id: int) -> int:
+        i = int(item_id)
+        return int(self._row_of[i]) if 0 <= i < len(self._row_of) else -1
+
     def kill(self, item_id: int) -> int | None:
         """Mark the row of `item_id` deleted; its label id, or None if it has no row."""
-        row = self._row_of.pop(int(item_id), None)
-        if row is None:
+        row = self._row(item_id)
+        if row < 0:
             return None
+        self._row_of[int(item_id)] = -1
         c = int(self._label[row])
         self._label[row] = -1
         self.epoch += 1
         return c
 
     def vector(self, item_id: int) -> np.ndarray | None:
-        """(d,) the embedding of a live item (a copy), None if it has no row."""
-        r = self._row_of.get(int(item_id))
-        return None if r is None else self._emb[r].copy()
+        """(d,) the embedding of a live item (a copy), None if it has no row (or no matrix)."""
+        r = self._row(item_id)
+        return None if r < 0 or not self.dense else self._emb[r].copy()
 
     def label_of(self, item_id: int) -> int:
         """The label id of a live item, -1 if there is none."""
-        r = self._row_of.get(int(item_id))
-        return -1 if r is None else int(self._label[r])
+        r = self._row(item_id)
+        return -1 if r < 0 else int(self._label[r])
+
+    def labels_of(self, ids: np.ndarray) -> np.ndarray:
+        """Label ids of item ids of any shape (-1: no such live item, or a -1 id), vectorised."""
+        ids = np.asarray(ids, dtype=np.int64)
+        ok = (ids >= 0) & (ids < len(self._row_of))
+        rows = np.where(ok, self._row_of[np.where(ok, ids, 0)], -1)
+        return np.where(rows >= 0, self._label[np.maximum(rows, 0)], -1)
 
     def ids_with(self, label_ids: np.ndarray) -> np.ndarray:
         """Ids of the live items whose label is one of `label_ids`."""
@@ -135,11 +169,13 @@ class Rows:
         if n - len(keep) < max(1024, n // 4):
             return
         m = len(keep)
-        self._emb[:m] = self._emb[keep]
+        if self.dense:
+            self._emb[:m] = self._emb[keep]
         self._label[:m] = self._label[keep]
         self._id[:m] = self._id[keep]
         self._label[m:n] = -1
         self._id[m:n] = -1
         self.n = m
-        self._row_of = {int(i): r for r, i in enumerate(self._id[:m])}
+        self._row_of[:] = -1
+        self._row_of[self._id[:m]] = np.arange(m)
         self.epoch += 1
