@@ -41,6 +41,17 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def tune_faiss() -> None:
+    """Process-wide FAISS settings for this workload. Exhaustive search computes inner products
+    with BLAS only from `distance_compute_blas_threshold` queries per call; this FAISS build
+    sets it to 128,000, so a batch of 64 took its per-query SIMD path: 121 ms against 19 ms
+    with BLAS (55,000 x 128-d Flat, 2 cores; benchmarks/gallery_scale.py). 20 was FAISS's long
+    default: below it (a lone query) nothing changes."""
+    import faiss
+
+    faiss.cvar.distance_compute_blas_threshold = 20
+
+
 def apply_search_params(index, params: dict[str, Any]) -> None:
     """Set nprobe / efSearch on `index` (through IndexIDMap2 and other wrappers)."""
     import faiss

@@ -28,6 +28,7 @@ from embedding.index import (
     apply_search_params,
     read_manifest,
     sha256_file,
+    tune_faiss,
     write_manifest,
 )
 from embedding.model import SPACES, in_space, space_dim
@@ -338,6 +339,7 @@ def make_index(vec: Vectors, cfg: BuildConfig, ids: np.ndarray, log=_say):
     """Build, train and fill the index; return (CPU IndexIDMap2, search params, info)."""
     import faiss
 
+    tune_faiss()
     emb = vec.embeddings
     n, d = emb.shape
     auto = cfg.factory.strip().lower() == "auto"

@@ -175,6 +175,11 @@ class ModelRuntime:
                 errors.append(None)
             except ImageError as e:
                 errors.append(e.message)
+        return self.embed_pixels(pixels), errors
+
+    def embed_pixels(self, pixels: list[np.ndarray]) -> np.ndarray:
+        """Prepared pixels (Prepared.pixels) -> (n, d) float32 embeddings, blocking, through
+        the model thread max_batch at a time (what /gallery/add's images get)."""
         out = []
         step = self.settings.max_batch
         for s in range(0, len(pixels), step):
@@ -187,7 +192,7 @@ class ModelRuntime:
                 )
             )
         d = self.embedder.dim
-        return (np.concatenate(out) if out else np.zeros((0, d), np.float32)), errors
+        return np.concatenate(out) if out else np.zeros((0, d), np.float32)
 
     # ------------------------------------------------------------------ batches
     def _run_batch(self, jobs: list[Job]) -> list:

@@ -142,6 +142,11 @@ class VoteRule(ABC):
     def vote(self, x: VoteInput) -> torch.Tensor:
         """(Q, C) label probabilities; an all-zero row for a query no label can take."""
 
+    def candidates_needed(self, k: int, top: int) -> int:
+        """How many index candidates `vote_candidates` reads, given k and the service's K'
+        (`top`): all K' unless the rule says fewer (the first is the best similarity)."""
+        return max(top, k)
+
     @abstractmethod
     def vote_candidates(self, x: Candidates) -> torch.Tensor:
         """The same (Q, C) probabilities from the index's top-K' candidates and the exact

@@ -25,6 +25,9 @@ class Knn(VoteRule):
         nb, v = x.neighbors, x.view
         return knn_probs(nb.similarities, nb.labels, v.num_classes, v.temperature, k=x.k)
 
+    def candidates_needed(self, k: int, top: int) -> int:
+        return k  # the k nearest vote
+
     def vote_candidates(self, x: Candidates) -> torch.Tensor:
         # The k nearest are the first k candidates (k <= K'): the same vote.
         return knn_probs(x.similarities, x.labels, x.num_classes, x.temperature, k=x.k)

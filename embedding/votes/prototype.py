@@ -26,6 +26,9 @@ class Prototype(VoteRule):
         v = x.view
         return prototype_probs(x.queries, v.label_sums, v.counts, v.temperature)
 
+    def candidates_needed(self, k: int, top: int) -> int:
+        return 1  # the statistics vote; the nearest item gives the best similarity
+
     def vote_candidates(self, x: Candidates) -> torch.Tensor:
         # Reads only the label statistics: exact at any size.
         return prototype_probs(x.queries, x.label_sums, x.counts, x.temperature)

@@ -318,7 +318,9 @@ class Gallery:
         if allowed_labels is not None:  # a label filter: the other labels have no items
             counts = np.where(np.isin(np.arange(len(counts)), allowed_labels), counts, 0)
         live = int(counts.sum())
-        kk = min(max(self.candidates, k), live)
+        kk = min(rule.candidates_needed(k, self.candidates), live)
+        if neighbors:
+            kk = min(max(kk, k), live)
         if kk <= 0:
             return self._results([-1.0] * len(qt), None, None, None)
         sims, ids = self.vectors.search(qt.numpy(), kk, allowed)  # (B, kk) descending

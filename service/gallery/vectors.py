@@ -16,6 +16,10 @@ from typing import Any
 import faiss
 import numpy as np
 
+from embedding.index import tune_faiss
+
+tune_faiss()
+
 
 class VectorIndex:
     def __init__(self, index, search_params: dict[str, Any], tombstones: set[int] | None = None):
