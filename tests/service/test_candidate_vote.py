@@ -105,7 +105,7 @@ def test_kde_tail_correction_gives_a_label_without_candidates_its_density():
     kde = get_rule("kde")
     approx, exact = kde.vote_candidates(x), kde.probs(q, view, 30)
     assert bool((approx[:, 1:] > 0).all())
-    # the lower bound (Jensen) for each label's dropped mass: never above the exact density
+    # the tail estimate keeps every label near its exact probability
     assert torch.allclose(approx, exact, atol=0.05), (approx, exact)
 
 
