@@ -9,8 +9,13 @@ default gallery's size, and classify cost, memory and build time against gallery
     # flip, re-embedded by the model), index by --factory auto, the service's Gallery
     python benchmarks/gallery_scale.py scale --model runs/demo --sizes 55000,100000,1000000
 
+    # every index kind on one such gallery: bytes per item, parity, time, the label filter
+    python benchmarks/gallery_scale.py kinds --model runs/demo --size 1000000
+
     # a run dir whose memory bank is such a gallery: snca-build-index and snca-serve serve it
     python benchmarks/gallery_scale.py make-run --model runs/demo --size 1000000 --out runs/scale-1m
+    snca-build-index runs/scale-1m --factory auto && snca-serve --model runs/scale-1m &
+    python benchmarks/gallery_scale.py http --url http://127.0.0.1:8000 --clients 8
 
 Prints a table and writes JSON (--json). Timings are this machine's, in one run: compare
 ratios within a run (docs/PERFORMANCE.md).
@@ -284,6 +289,134 @@ def scale(args) -> dict:
     return out
 
 
+def http(args) -> dict:
+    """Through HTTP against a running snca-serve: p50 of lone /classify requests (one at a
+    time), then the rate `--clients` concurrent clients sustain for `--seconds`."""
+    import threading
+
+    import httpx
+
+    from tests.service.conftest import png  # a real test image as PNG bytes
+
+    test = load_raw("fashion-mnist", "test")
+    bodies = [png(test, i) for i in range(200)]
+    with httpx.Client(base_url=args.url, timeout=60) as c:
+        lone = []
+        for i in range(200):
+            t = time.perf_counter()
+            r = c.post("/classify", files={"image": ("x.png", bodies[i], "image/png")})
+            lone.append(time.perf_counter() - t)
+            assert r.status_code == 200, r.text
+        size = c.get("/readyz").json()
+    done, stop = [0] * args.clients, time.perf_counter() + args.seconds
+
+    def client(j):
+        with httpx.Client(base_url=args.url, timeout=60) as c:
+            i = j
+            while time.perf_counter() < stop:
+                r = c.post("/classify", files={"image": ("x.png", bodies[i % 200], "image/png")})
+                assert r.status_code == 200, r.text
+                done[j] += 1
+                i += args.clients
+
+    ts = [threading.Thread(target=client, args=(j,)) for j in range(args.clients)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    out = {
+        "url": args.url,
+        "gallery_items": size.get("gallery_items", size.get("items")),
+        "lone_p50_ms": float(np.median(lone)) * 1e3,
+        "clients": args.clients,
+        "img_s": sum(done) / (time.perf_counter() - t0),
+    }
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def kinds(args) -> dict:
+    """Every index kind the builder makes, on one gallery of real embeddings: bytes per item,
+    build time, recall-tuned search parameter, candidate-vote parity against the exact vote,
+    time per batch; and what the label filter (an IDSelectorBatch of the allowed ids) costs."""
+    import faiss
+
+    from index_builder.build import tune_recall
+
+    names = RunDir(args.model).load_model().config.class_names
+    q, qy = test_queries(args.model)
+    emb, y, _ = augmented_gallery(args.model, args.size, Path(args.cache) if args.cache else None)
+    ref = predict(make_gallery(emb, y, names, "Flat", exact_max=10**12), q, "kde")
+    out = {"n": args.size, "kinds": []}
+    for factory in args.factories.split(";"):
+        t = time.perf_counter()
+        g = make_gallery(emb, y, names, factory, exact_max=0, candidates=args.k_prime)
+        build_s = time.perf_counter() - t
+        params, rec = tune_recall(
+            g.vectors.index, emb, np.arange(len(emb)), 0.95, 0, log=lambda m: None
+        )
+        if params:
+            from embedding.index import apply_search_params
+
+            apply_search_params(g.vectors.index, params)
+            g.vectors.search_params = params
+        got = predict(g, q, "kde")
+        two = [names[0], names[1]]
+        row = {
+            "factory": factory,
+            "build_s": build_s,
+            "bytes_per_item": len(faiss.serialize_index(g.vectors.index)) / len(emb) + 24,
+            "params": params,
+            "recall_at_10": rec.get("recall_at_10", 1.0),
+            "top1": float((got == qy).mean() * 100),
+            "exact_top1": float((ref == qy).mean() * 100),
+            "identical": float((got == ref).mean()),
+            "ms_64": _time_batches(g, q, "kde") * 1e3,
+        }
+        ts = []
+        for r in range(10):  # the label filter: 2 of 10 labels
+            t = time.perf_counter()
+            g.classify(q[r * 64 : (r + 1) * 64], "kde", 30, labels=two)
+            ts.append(time.perf_counter() - t)
+        row["filtered_ms_64"] = float(np.median(ts)) * 1e3
+        out["kinds"].append(row)
+        print(json.dumps(row), flush=True)
+        del g
+    return out
+
+
+def plot_cost(res: dict, path: str) -> None:
+    """Time per query (vote only, batches of 64) against gallery size, log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["sizes"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    n = [r["n"] for r in rows]
+    ax.loglog(n, [r["cand_ms_64"] / 64 for r in rows], "o-", label="candidate vote (index)")
+    ex = [r for r in rows if "exact_ms_64" in r]
+    ax.loglog(
+        [r["n"] for r in ex], [r["exact_ms_64"] / 64 for r in ex], "s--", label="exact dense vote"
+    )
+    for r in rows:
+        ax.annotate(
+            r["factory"],
+            (r["n"], r["cand_ms_64"] / 64),
+            fontsize=7,
+            textcoords="offset points",
+            xytext=(4, -10),
+        )
+    ax.set_xlabel("gallery items")
+    ax.set_ylabel("ms per query (kde, batches of 64)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def make_run(args) -> dict:
     """A copy of the model's run dir whose memory bank is an augmented gallery of --size."""
     src, dst = Path(args.model), Path(args.out)
@@ -315,19 +448,33 @@ def main(argv=None) -> int:
     b.add_argument("--k-prime", type=int, default=1024)
     b.add_argument("--exact-upto", type=int, default=1_000_000)
     b.add_argument("--cache", default="runs/gallery-scale-cache")
+    b.add_argument("--plot", help="write the cost curve (PNG) here")
     c = sub.add_parser("make-run")
     c.add_argument("--model", default="runs/demo")
     c.add_argument("--size", type=int, default=1_000_000)
     c.add_argument("--out", required=True)
     c.add_argument("--cache", default="runs/gallery-scale-cache")
-    for x in (a, b, c):
+    k = sub.add_parser("kinds")
+    k.add_argument("--model", default="runs/demo")
+    k.add_argument("--size", type=int, default=1_000_000)
+    k.add_argument("--factories", default="Flat;IVF4096,Flat;IVF4096,PQ32;HNSW32")
+    k.add_argument("--k-prime", type=int, default=1024)
+    k.add_argument("--cache", default="runs/gallery-scale-cache")
+    h = sub.add_parser("http")
+    h.add_argument("--url", default="http://127.0.0.1:8000")
+    h.add_argument("--clients", type=int, default=8)
+    h.add_argument("--seconds", type=float, default=20)
+    for x in (a, b, c, k, h):
         x.add_argument("--json", help="write the results here")
         x.add_argument("--threads", type=int, default=os.cpu_count())
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    res = {"parity": parity, "scale": scale, "make-run": make_run}[args.cmd](args)
+    cmds = {"parity": parity, "scale": scale, "kinds": kinds, "make-run": make_run, "http": http}
+    res = cmds[args.cmd](args)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
+    if getattr(args, "plot", None):
+        plot_cost(res, args.plot)
     return 0
 
 

@@ -50,7 +50,7 @@ class Settings(BaseSettings):
         "labels on the default gallery)",
     )
     exact_vote_max: int = Field(
-        100_000,
+        60_000,
         ge=0,
         description="galleries up to this many items keep a dense copy of every embedding and "
         "vote exactly (faster there); beyond it the candidate vote, no dense copy",
