@@ -308,7 +308,7 @@ def tune_recall(index, emb: np.ndarray, ids: np.ndarray, target: float, seed: in
         values = [v for v in values if v < ivf.nlist] + [ivf.nlist]
     else:
         values = [v for v in values if v >= 16]
-    tried = {}
+    tried: dict[int, float] = {}
     for v in values:
         apply_search_params(index, {name: v})
         _, got = index.search(q, 11)
@@ -319,11 +319,19 @@ def tune_recall(index, emb: np.ndarray, ids: np.ndarray, target: float, seed: in
         tried[v] = float(np.mean(hits))
         if tried[v] >= target:
             break
-    best = next((v for v, r in tried.items() if r >= target), max(tried))
-    if tried[best] < target:
+        rs = list(tried.values())
+        if len(rs) >= 3 and rs[-1] - rs[-3] < 0.005:  # a plateau: the codes cap the recall
+            break
+    best = next((v for v, r in tried.items() if r >= target), None)
+    if best is None:
+        # Unreachable (PQ codes cap it; measured: IVF4096,PQ32 on 1M Fashion-MNIST embeddings
+        # reached 0.43 at nprobe 4096, a full scan). Searching further buys nothing: take the
+        # smallest setting within 0.01 of the best recall seen.
+        top = max(tried.values())
+        best = next(v for v, r in tried.items() if r >= top - 0.01)
         log(
-            f"warning: recall@10 {tried[best]:.3f} at {name} {best} is below the target "
-            f"{target}: the index's codes limit it (a larger PQ, or IVF-Flat)"
+            f"warning: recall@10 reaches {top:.3f}, below the target {target}: the index's "
+            f"codes limit it (a larger PQ, or IVF-Flat); {name} {best} is within 0.01 of it"
         )
     log(f"{name} {best}: recall@10 {tried[best]:.3f} on {len(pick)} held-out queries")
     record = {
