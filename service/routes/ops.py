@@ -51,6 +51,8 @@ async def readyz(request: Request):
         "hostname": socket.gethostname(),  # which replica answered (behind a load balancer)
         "store_writable": writable,
         "data_dir": str(state.data.path),
+        # dense: every row kept and voted over; candidates: past SNCA_EXACT_VOTE_MAX
+        "vote_path": "dense" if state.gallery.rows.dense else "candidates",
     }
     if state.migration is not None:
         body["migration"] = state.migration.to_dict()

@@ -47,6 +47,9 @@ def test_auto_ivf_index_served_by_the_candidate_vote(base_run, tmp_path, fmnist_
         srv = Server(base_run, tmp_path / f"data-{name}", env, "--index", str(ix))
         try:
             with httpx.Client(base_url=srv.url, timeout=30) as c:
+                assert c.get("/readyz").json()["vote_path"] == (
+                    "dense" if name == "dense" else "candidates"
+                )
                 labels[name] = [_classify(c, q)["label"] for q in queries]
                 if name != "candidates":
                     continue
