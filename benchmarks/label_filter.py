@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedding.index import tune_faiss  # noqa: E402
+from embedding.index import tune_faiss
 
 
 def _median_ms(f, n: int = 5) -> float:
@@ -78,7 +78,9 @@ def main(argv=None) -> int:
     truth = ids[exact.search(q, 10)[1]]
 
     def recall(found) -> float:
-        return float(np.mean([len(set(a[:10]) & set(b)) / 10 for a, b in zip(found, truth)]))
+        return float(
+            np.mean([len(set(a[:10]) & set(b)) / 10 for a, b in zip(found, truth, strict=True)])
+        )
 
     built = faiss.IDSelectorBatch(ids)
     print(
