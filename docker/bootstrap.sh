@@ -10,7 +10,7 @@
 #   SNCA_DATASETS       where datasets are looked for / downloaded to (/datasets); mount the
 #                       Debian package dir (/usr/share/datasets) here to skip the download
 #   SNCA_BOOTSTRAP_ARGS training flags        (--dataset fashion-mnist --arch conv4 --loss nca --epochs 3)
-#   SNCA_INDEX_ARGS     snca-build-index flags (none: exact Flat index from the memory bank)
+#   SNCA_INDEX_ARGS     snca-build-index flags (none: exact Flat index, training images re-embedded)
 #   SNCA_DEVICE         auto | cpu | cuda (training and index building)
 #   SNCA_RETRAIN        non-empty: train again (replacing the model) and rebuild the index; the
 #                       service carries the gallery to the new model on its next start

@@ -33,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--source",
         choices=SOURCES,
-        help="memory: the final memory bank rows (the paper's protocol); recompute: "
-        "re-embed the training images with the final model and the eval transform "
-        "(default: memory for --space embedding, recompute otherwise)",
+        help="recompute (default): re-embed the training images with the final model and the "
+        "eval transform, as queries and added images are embedded; memory: the final memory "
+        "bank rows (the paper's protocol: cheaper, but they lag the final model, so added "
+        "labels and the open-set calibration see a shifted gallery; docs/RESULTS.md)",
     )
     p.add_argument(
         "--space",
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         **{
             **given,
             "out": args.out or args.run_dir / "index",
-            "source": args.source or ("memory" if args.space == "embedding" else "recompute"),
+            "source": args.source or "recompute",
             "num_workers": max(0, args.num_workers),
         }
     )
