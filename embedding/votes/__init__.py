@@ -6,17 +6,20 @@ measures what the service serves. Adding a rule: one new file here and one entry
 
   knn        the paper's weighted kNN vote over the k nearest items
   prototype  nearest normalised label mean
-  kde        each label's kernel density at the query, equal label priors (the default)
+  kde        each label's kernel density at the query, equal label priors
+  kde_shrunk kde with a prior of a few pseudo-items from the whole gallery (the default): a
+             label of one image no longer takes over a trained class
 """
 
 from __future__ import annotations
 
 from .base import Candidates, GalleryView, Neighbors, VoteInput, VoteRule, softmax_or_zero
 from .kde import Kde, kde_candidates_log_density, kde_log_density, kde_prepare, kde_probs
+from .kde_shrunk import KdeShrunk, shrink_log_density
 from .knn import Knn, knn_probs
 from .prototype import Prototype, prototype_probs
 
-RULES: dict[str, type[VoteRule]] = {r.name: r for r in (Knn, Prototype, Kde)}
+RULES: dict[str, type[VoteRule]] = {r.name: r for r in (Knn, Prototype, Kde, KdeShrunk)}
 VOTES = tuple(RULES)
 
 
@@ -33,6 +36,7 @@ __all__ = [
     "Candidates",
     "GalleryView",
     "Kde",
+    "KdeShrunk",
     "Knn",
     "Neighbors",
     "Prototype",
@@ -45,5 +49,6 @@ __all__ = [
     "kde_probs",
     "knn_probs",
     "prototype_probs",
+    "shrink_log_density",
     "softmax_or_zero",
 ]

@@ -165,13 +165,17 @@ class Kde(VoteRule):
             "kde", lambda: kde_prepare(view.labels, view.num_classes, view.temperature)
         )
 
+    def log_density(self, x: VoteInput) -> torch.Tensor:
+        """(Q, C) log f_c of every label (-inf: no items), exact."""
+        v = x.view
+        prepared = self.prepared(v)
+        return kde_log_density(x.similarities, v.labels, v.num_classes, v.temperature, prepared)
+
     def vote(self, x: VoteInput) -> torch.Tensor:
         v = x.view
         if not bool((v.counts > 0).any()):
             return torch.zeros(x.queries.shape[0], v.num_classes)
-        prepared = self.prepared(v)
-        logd = kde_log_density(x.similarities, v.labels, v.num_classes, v.temperature, prepared)
-        return torch.softmax(logd.nan_to_num(neginf=-1e30), dim=1)  # (Q, C)
+        return torch.softmax(self.log_density(x).nan_to_num(neginf=-1e30), dim=1)  # (Q, C)
 
     def vote_candidates(self, x: Candidates) -> torch.Tensor:
         if not bool((x.counts > 0).any()):

@@ -77,7 +77,7 @@ def test_every_choice_of_rule_comes_from_the_registry():
     from service.routes.classify import ClassifyQuery
     from service.routes.page import page
 
-    assert set(VOTES) == set(RULES) == {"knn", "prototype", "kde"}
+    assert set(VOTES) == set(RULES) == {"knn", "prototype", "kde", "kde_shrunk"}
     schema = ClassifyQuery.model_json_schema()["properties"]["vote"]
     assert set(schema["anyOf"][0]["enum"]) == set(VOTES)
     vote_flag = next(a for a in build_parser()._actions if a.dest == "vote")
