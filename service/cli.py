@@ -58,8 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--vote", choices=VOTES, help="default voting rule (default kde)")
+    p.add_argument("--vote", choices=VOTES, help="default voting rule (default kde_shrunk)")
     p.add_argument("--k", type=positive_int, help="default k (30)")
+    p.add_argument(
+        "--unknown-tpr",
+        type=float,
+        help="open set: the threshold accepts this share of the gallery's own items (0.95; 0 = "
+        "the calibrated rule off)",
+    )
     p.add_argument(
         "--max-batch", type=positive_int, help="micro-batcher: images per forward pass (64)"
     )

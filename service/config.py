@@ -40,7 +40,7 @@ class Settings(BaseSettings):
 
     # classification
     k: int = Field(30, ge=1, le=1000, description="neighbours that vote (kNN rule)")
-    vote: str = Field("kde", description=f"default voting rule: one of {', '.join(VOTES)}")
+    vote: str = Field("kde_shrunk", description=f"default voting rule: one of {', '.join(VOTES)}")
     candidates: int = Field(
         1024,
         ge=1,
@@ -55,14 +55,33 @@ class Settings(BaseSettings):
         description="galleries up to this many items keep a dense copy of every embedding and "
         "vote exactly (faster there); beyond it the candidate vote, no dense copy",
     )
+    unknown_tpr: float = Field(
+        0.95,
+        ge=0.0,
+        lt=1.0,
+        description="open-set: 'unknown' when the score is under the threshold that accepts this "
+        "share of the gallery's own items (leave-one-out, per label; 0 turns it off)",
+    )
+    unknown_k: int = Field(
+        10,
+        ge=1,
+        le=1000,
+        description="open-set score: similarity to the k-th nearest item of the chosen label "
+        "(fewer for a label with fewer items)",
+    )
     unknown_similarity: float = Field(
-        0.5, ge=-1.0, le=1.0, description="open-set: 'unknown' when the best cosine is below this"
+        0.5,
+        ge=-1.0,
+        le=1.0,
+        description="open-set, besides the calibrated rule: 'unknown' when the best cosine is "
+        "below this (-1: off)",
     )
     unknown_probability: float = Field(
         0.0,
         ge=0.0,
         le=1.0,
-        description="open-set: 'unknown' when the winning probability is below this",
+        description="open-set, besides the calibrated rule: 'unknown' when the winning "
+        "probability is below this",
     )
 
     # batching

@@ -26,7 +26,27 @@ class ClassifyResult(BaseModel):
     confidence: float = Field(..., description="probability of `label`")
     probabilities: list[Probability] = Field(..., description="top 5 labels")
     unknown: bool = Field(
-        ..., description="open-set rejection: best similarity or confidence under threshold"
+        ...,
+        description="nothing in the gallery is like this image: its unknown_score is under the "
+        "label's unknown_threshold (or, if set, best_similarity under SNCA_UNKNOWN_SIMILARITY or "
+        "confidence under SNCA_UNKNOWN_PROBABILITY); false with unknown=off",
+    )
+    unknown_score: float | None = Field(
+        None,
+        description="open-set score (Sun et al. 2022, label-conditional): cosine similarity to "
+        "the k-th most similar item of `label`, k = min(SNCA_UNKNOWN_K, the label's items)",
+    )
+    unknown_threshold: float | None = Field(
+        None,
+        description="the score under which the image is unknown: the label's leave-one-out "
+        "scores' quantile that accepts unknown_tpr of its own items (pooled over the trained "
+        "labels for a label of fewer than 20 items, or its lowest own score if lower); null "
+        "when there is nothing to calibrate from or unknown=off",
+    )
+    unknown_tpr: float | None = Field(
+        None,
+        description="the acceptance rate the threshold was set for (SNCA_UNKNOWN_TPR or the "
+        "request's unknown_tpr); null when the calibrated rule is off",
     )
     best_similarity: float = Field(..., description="cosine of the most similar gallery item")
     neighbors: list[Neighbor] | None = Field(None, description="the k nearest items, when asked")
@@ -45,9 +65,12 @@ class ClassifyResult(BaseModel):
                     {"label": "Sandal", "probability": 0.02},
                 ],
                 "unknown": False,
+                "unknown_score": 0.93,
+                "unknown_threshold": 0.88,
+                "unknown_tpr": 0.95,
                 "best_similarity": 0.96,
                 "neighbors": None,
-                "vote": "kde",
+                "vote": "kde_shrunk",
                 "k": 30,
                 "gallery_version": 3,
                 "model_fingerprint": "sha256:85390a8f...",
@@ -60,11 +83,61 @@ class BatchResult(BaseModel):
     results: list[ClassifyResult]
 
 
+class OutlierInfo(BaseModel):
+    id: int
+    sits_with: str = Field(..., description="the label its leave-one-out vote chose")
+    probability: float = Field(..., description="that vote's probability")
+
+
+class LabelDiagnostics(BaseModel):
+    """How a label's images agree with each other and sit among the other labels."""
+
+    label: str
+    count: int = Field(..., description="live items of the label")
+    checked: int = Field(
+        ..., description="images checked: the ones just added, or a sample of up to 200"
+    )
+    agreement: float | None = Field(
+        None,
+        description="share of the checked images that the vote, with the image itself taken "
+        "out of the gallery, still gives this label (leave-one-out); null for a label of one "
+        "image",
+    )
+    cohesion: float | None = Field(
+        None, description="mean cosine between two of the label's items (null under 2 items)"
+    )
+    gallery_cohesion: float | None = Field(
+        None,
+        description="the median cohesion of the gallery's labels of >= 20 items: a label far "
+        "below it is spread out (mixed images, or images the embedding does not group)",
+    )
+    nearest_label: str | None = Field(
+        None, description="the other label whose mean embedding is nearest this label's"
+    )
+    nearest_similarity: float | None = Field(None, description="cosine between the two means")
+    confused_with: dict[str, float] = Field(
+        default_factory=dict,
+        description="labels that the leave-one-out vote gave checked images to (and are not "
+        "unknown there), with the share of images",
+    )
+    outliers: list[OutlierInfo] = Field(
+        default_factory=list, description="checked images that sit with another label"
+    )
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="plain-language warnings: the label overlaps another one (the vote will "
+        "confuse them), suspected mislabelled images, one image already classified as a label",
+    )
+
+
 class AddResult(BaseModel):
     ids: list[int]
     label: str
     count: int = Field(..., description="live items of this label after the add")
     gallery_version: int
+    diagnostics: LabelDiagnostics | None = Field(
+        None, description="the new images checked against the gallery (null: not computed)"
+    )
 
 
 class SearchItem(BaseModel):

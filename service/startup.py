@@ -109,7 +109,12 @@ def finish_service(
     try:
         loaded = load_gallery(store, ix.index, ix.manifest, o.fingerprint, data, snapshot=True)
         g = Gallery(
-            loaded.vectors, ix.dim, o.temperature, settings.candidates, settings.exact_vote_max
+            loaded.vectors,
+            ix.dim,
+            o.temperature,
+            settings.candidates,
+            settings.exact_vote_max,
+            settings.unknown_k,
         )
         g.load_items(loaded.items)
         g.version = loaded.version

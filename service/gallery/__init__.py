@@ -1,9 +1,11 @@
 """The in-memory gallery, split along its seams: the FAISS index with tombstones
 (vectors.py), the dense rows and per-label statistics (rows.py), the vote rules
-(embedding.votes) and the compiled kde path (compiled.py), put together in gallery.py."""
+(embedding.votes) and the compiled kde path (compiled.py), the open-set calibration
+(openset.py) and a label's diagnostics (diagnostics.py), put together in gallery.py."""
 
+from .diagnostics import Diagnostics
 from .gallery import Classification, Gallery
 from .lock import RWLock
 from .vectors import VectorIndex
 
-__all__ = ["Classification", "Gallery", "RWLock", "VectorIndex"]
+__all__ = ["Classification", "Diagnostics", "Gallery", "RWLock", "VectorIndex"]

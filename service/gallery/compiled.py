@@ -9,7 +9,9 @@ import functools
 
 import torch
 
+from embedding.openset import label_kth_grouped
 from embedding.votes.kde import kde_from_onehot
+from embedding.votes.kde_shrunk import shrink_log_density
 
 
 def kde_top(
@@ -20,11 +22,18 @@ def kde_top(
     temperature: float,
     top: int,
     live: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    order: torch.Tensor,
+    starts: torch.Tensor,
+    kcs: torch.Tensor,
+    alpha: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The service's kde classification in one call: queries (B, d) against every gallery row
     (N, d) -> (best similarity (B,), top-`top` probabilities (B, top) and label ids, the
-    probability total (B,), 0 for a query no label can take). `live` (N,) bool masks deleted
-    rows out of the best similarity (their labels are already outside `onehot`'s C columns).
+    probability total (B,), 0 for a query no label can take, and the open-set score (B,):
+    embedding.openset.label_kth_grouped of the top label with kcs (C,) = min(k, n_c)). `live`
+    (N,) bool masks deleted rows out of the best similarity (their labels are already outside
+    `onehot`'s C columns); order, starts: embedding.openset.label_groups of the rows; alpha > 0: the
+    kde_shrunk vote (its prior, embedding/votes/kde_shrunk.py), 0: kde.
     Compiled by `scripted_kde_top` the service runs it without the GIL: one hand-off per
     batch instead of one per operation, which is what an event loop on the other core
     made slow (docs/PERFORMANCE.md)."""
@@ -34,9 +43,13 @@ def kde_top(
     else:
         best = sims.masked_fill(~live, float("-inf")).max(dim=1).values
     logd = kde_from_onehot(sims, onehot, counts, temperature)  # (B, C)
+    if alpha > 0:
+        logd = shrink_log_density(logd, counts, alpha)
     probs = torch.softmax(logd.nan_to_num(neginf=-1e30), dim=1)
     vals, idx = probs.topk(top, dim=1)
-    return best, vals, idx, probs.sum(dim=1)
+    pred = idx[:, 0]
+    score = label_kth_grouped(sims, order, starts, pred, kcs[pred])
+    return best, vals, idx, probs.sum(dim=1), score
 
 
 @functools.cache

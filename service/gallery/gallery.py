@@ -18,11 +18,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from embedding.votes import RULES, Candidates, GalleryView, Kde, Neighbors, VoteRule
+from embedding import openset
+from embedding.openset import label_groups, label_kth, label_kth_grouped
+from embedding.votes import RULES, Candidates, GalleryView, Kde, KdeShrunk, Neighbors, VoteRule
 
 from ..store import Item
 from .compiled import scripted_kde_top
+from .diagnostics import Diagnostics, diagnose
 from .lock import RWLock
+from .openset import OpenSet
 from .rows import LabelStats, Rows
 from .vectors import VectorIndex
 
@@ -37,6 +41,10 @@ class Classification:
     probabilities: list[tuple[str, float]]  # top 5
     best_similarity: float
     neighbors: list[tuple[int, str, float]]
+    # embedding.openset's score: similarity to the k_c-th nearest item of `label`; None when
+    # there is no label
+    unknown_score: float | None = None
+    label_id: int = -1
 
 
 @dataclass
@@ -66,6 +74,7 @@ class Gallery:
         temperature: float,
         candidates: int = CANDIDATES,
         exact_max: int = EXACT_MAX,
+        unknown_k: int = openset.K,
     ):
         self.vectors = vectors
         self.dim = dim
@@ -78,6 +87,8 @@ class Gallery:
         self.stats = LabelStats(dim)
         self._snapshot: Snapshot | None = None
         self._checksum: tuple | None = None
+        self.openset = OpenSet(dim, unknown_k)
+        self._thresholds: dict[float, tuple] = {}  # tpr -> (key, (C,) thresholds)
 
     # ------------------------------------------------------------------ writes (store first)
     def load_items(self, items: list[Item]) -> None:
@@ -93,8 +104,11 @@ class Gallery:
                 group = by_label[name]
                 c = self.stats.id_of(name)
                 emb = np.stack([it.embedding for it in group]).astype(np.float32)
-                self.rows.append(np.array([it.id for it in group], dtype=np.int64), c, emb)
+                idarr = np.array([it.id for it in group], dtype=np.int64)
+                self.rows.append(idarr, c, emb)
                 self.stats.add(c, emb, sum(it.source == "added" for it in group))
+                self.openset.added(c, idarr, emb)
+            self._recalibrate([self.stats.ids[name] for name in by_label])
 
     def apply_add(self, ids: list[int], label: str, emb: np.ndarray, seq: int) -> None:
         """Items the store committed as write `seq` (added through the service)."""
@@ -107,6 +121,8 @@ class Gallery:
             if self.rows.dense and self.size() > self.exact_max:
                 self.rows.drop_embeddings()  # outgrew the dense path: candidates from now on
                 self._snapshot = None
+            self.openset.added(c, idarr, emb)
+            self._recalibrate([c])
             self.version = max(self.version, seq)
 
     def replace(self, vectors: VectorIndex, items: list[Item], version: int) -> None:
@@ -115,6 +131,7 @@ class Gallery:
             self.vectors = vectors
             self.rows = Rows(self.dim, dense=len(items) <= self.exact_max)
             self.stats = LabelStats(self.dim)
+            self.openset = OpenSet(self.dim, self.openset.k, self.openset.sample_size)
             self._snapshot = None
         self.load_items(items)
         self.version = version
@@ -123,14 +140,93 @@ class Gallery:
         """rows: (id, label, embedding, source) of items the store marked deleted by `seq`."""
         with self.lock.write():
             self.vectors.remove(np.array([r[0] for r in rows], dtype=np.int64))
+            touched = set()
             for item_id, _label, emb, source in rows:
                 c = self.rows.kill(item_id)
                 if c is not None:
                     self.stats.remove(c, emb, source == "added")
+                    self.openset.removed(c, item_id)
+                    touched.add(c)
             self.rows.compact()
+            self._recalibrate(sorted(touched))
             self.version = max(self.version, seq)
 
+    def _recalibrate(self, labels) -> None:
+        """Leave-one-out scores of `labels` anew (under the write lock; embedding.openset)."""
+
+        def members(c):
+            if not self.rows.dense:
+                return None
+            rows = np.nonzero(self.rows.labels == c)[0]
+            return self.rows.ids[rows], self.rows.embeddings[rows]
+
+        self.openset.recalibrate(
+            labels,
+            self.stats.counts,
+            lambda q, k: self.vectors.search(q, k),
+            self.rows.labels_of,
+            members,
+            self.candidates,
+        )
+
     # ------------------------------------------------------------------ reads
+    def thresholds(self, tpr: float) -> np.ndarray:
+        """(C,) the unknown threshold of every label id at acceptance rate `tpr` (-inf: none)."""
+        key = (self.openset.epoch, len(self.stats))
+        hit = self._thresholds.get(tpr)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        t = self.openset.calibration.thresholds(len(self.stats), tpr)
+        if len(self._thresholds) > 16:
+            self._thresholds.clear()
+        self._thresholds[tpr] = (key, t)
+        return t
+
+    def thresholds_at(self, tpr: float) -> np.ndarray:
+        """thresholds(tpr) under the read lock (cached per calibration and rate)."""
+        with self.lock.read():
+            return self.thresholds(tpr)
+
+    def diagnose(
+        self,
+        label: str,
+        vote: str,
+        k: int,
+        tpr: float,
+        ids: list[int] | None = None,
+        emb: np.ndarray | None = None,
+    ) -> Diagnostics | None:
+        """Diagnostics of `label` (service/gallery/diagnostics.py) from its items `ids` with
+        embeddings `emb` (the images just added), or else from its open-set sample (up to
+        embedding.openset.SAMPLE items); None when the label has no items."""
+        with self.lock.read():
+            c = self.stats.ids.get(label)
+            if c is None or self.stats.counts[c] <= 0:
+                return None
+            if emb is None:
+                s = self.openset.samples.get(c)
+                own = s.ids.copy() if s is not None else np.zeros(0, dtype=np.int64)
+                emb = s.emb.copy() if s is not None else np.zeros((0, self.dim), np.float32)
+            else:
+                own = np.asarray(ids, dtype=np.int64)
+            return diagnose(
+                label,
+                c,
+                np.ascontiguousarray(emb, dtype=np.float32),
+                own,
+                _RULES[vote],
+                self.stats.names,
+                self.stats.sums.copy(),
+                self.stats.counts.copy(),
+                lambda q, kk: self.vectors.search(q, kk),
+                self.rows.labels_of,
+                self.temperature,
+                k,
+                self.candidates,
+                self.openset.k,
+                self.thresholds(tpr) if tpr else np.full(len(self.stats), -np.inf),
+            )
+
     def size(self) -> int:
         return int(self.stats.counts.sum())
 
@@ -276,14 +372,21 @@ class Gallery:
                 view, live, any_live = self._filtered(allowed_labels)
             c = view.num_classes
             top = min(5, c)
+            kcs = self._kcs(view.counts)
             if isinstance(rule, Kde) and not neighbors and allowed_labels is None and any_live:
                 _, counts, onehot = Kde.prepared(view)
                 if onehot is not None:
                     # the common request (kde, no filter, no neighbours): one compiled call
-                    best, vals, idx, total = scripted_kde_top()(
-                        qt, view.embeddings, onehot, counts, self.temperature, top, live
-                    )
-                    return self._results(best.tolist(), vals.tolist(), idx.tolist(), total.tolist())
+                    alpha = float(rule.alpha) if isinstance(rule, KdeShrunk) else 0.0
+                    order, starts = self._groups(view)
+                    best, vals, idx, total, score = scripted_kde_top()(
+                        qt, view.embeddings, onehot, counts, self.temperature, top, live,
+                        order, starts, kcs, alpha,
+                    )  # fmt: skip
+                    return self._results(
+                        best.tolist(), vals.tolist(), idx.tolist(), total.tolist(),
+                        scores=score.tolist(),
+                    )  # fmt: skip
             n = view.embeddings.shape[0]
             sims = qt @ view.embeddings.T if n else torch.zeros(len(qt), 0)  # (B, n)
             if not any_live:
@@ -298,11 +401,26 @@ class Gallery:
             nb = None if hits is None else Neighbors(hits[0], hits[2])
             probs = rule.probs(qt, view, k, neighbors=nb, similarities=sims)
             # Top labels for the whole batch at once; Python only walks the small lists.
-            vals = idx = total = None
+            vals = idx = total = scores = None
             if c:
                 v, i = probs.topk(top, dim=1)
                 vals, idx, total = v.tolist(), i.tolist(), probs.sum(dim=1).tolist()
-            return self._results(best.tolist(), vals, idx, total, hits if neighbors else None)
+                pred = i[:, 0]
+                order, starts = self._groups(view)
+                scores = label_kth_grouped(sims, order, starts, pred, kcs[pred]).tolist()
+            return self._results(
+                best.tolist(), vals, idx, total, hits if neighbors else None, scores
+            )
+
+    @staticmethod
+    def _groups(view: GalleryView) -> tuple[torch.Tensor, torch.Tensor]:
+        """The view's rows grouped by label (embedding.openset.label_groups), kept with it."""
+        return view.memo("groups", lambda: label_groups(view.labels, view.num_classes))
+
+    def _kcs(self, counts) -> torch.Tensor:
+        """(C,) k_c = min(k, n_c) of the open-set score (embedding.openset), at least 1."""
+        n = torch.as_tensor(np.asarray(counts), dtype=torch.long)
+        return n.clamp(min=1, max=self.openset.k)
 
     def _classify_candidates(
         self,
@@ -319,7 +437,9 @@ class Gallery:
         if allowed_labels is not None:  # a label filter: the other labels have no items
             counts = np.where(np.isin(np.arange(len(counts)), allowed_labels), counts, 0)
         live = int(counts.sum())
-        kk = min(rule.candidates_needed(k, self.candidates), live)
+        # K' candidates for every rule: the open-set score reads the chosen label's k_c-th
+        # nearest among them (knn's k or prototype's 1 would leave it a loose upper bound)
+        kk = min(max(rule.candidates_needed(k, self.candidates), self.candidates), live)
         if neighbors:
             kk = min(max(kk, k), live)
         if kk <= 0:
@@ -339,11 +459,13 @@ class Gallery:
         best = np.where(lab[:, 0] >= 0, sims[:, 0], -1.0).tolist()
         top = min(5, probs.shape[1])
         v, i = probs.topk(top, dim=1)
+        pred = i[:, 0]
+        scores = label_kth(x.similarities, x.labels, pred, self._kcs(counts)[pred]).tolist()
         hits = None
         if neighbors:
             kn = min(k, kk)
             hits = (x.similarities[:, :kn], torch.from_numpy(ids[:, :kn]), x.labels[:, :kn])
-        return self._results(best, v.tolist(), i.tolist(), probs.sum(dim=1).tolist(), hits)
+        return self._results(best, v.tolist(), i.tolist(), probs.sum(dim=1).tolist(), hits, scores)
 
     def _neighbors(self, qt: torch.Tensor, k: int, allowed: np.ndarray | None, live: int):
         """(sims (B, k'), ids (B, k'), label ids (B, k')) of the k' = min(k, live) nearest
@@ -356,10 +478,11 @@ class Gallery:
         lab = self.rows.labels_of(ids)
         return torch.from_numpy(s), torch.from_numpy(ids), torch.from_numpy(lab)
 
-    def _results(self, best, vals, idx, total, hits=None) -> list[Classification]:
+    def _results(self, best, vals, idx, total, hits=None, scores=None) -> list[Classification]:
         """Per query: top labels from (B, top) probability lists `vals` and label ids `idx`
         (None when there are no labels), `total` probability (0: no label could take it),
-        best similarity, and the neighbours from `hits` (similarities, ids, label ids)."""
+        best similarity, the neighbours from `hits` (similarities, ids, label ids) and the
+        open-set score of the top label (`scores`)."""
         names = self.stats.names
         out = []
         for b in range(len(best)):
@@ -376,5 +499,6 @@ class Gallery:
                     )
                     if i >= 0 and li >= 0
                 ]
-            out.append(Classification(pr[0][0], pr[0][1], pr, best[b], nb))
+            sc = None if scores is None or scores[b] < -1.0 else scores[b]
+            out.append(Classification(pr[0][0], pr[0][1], pr, best[b], nb, sc, idx[b][0]))
         return out

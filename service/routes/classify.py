@@ -43,11 +43,22 @@ class ClassifyQuery(BaseModel):
     vote: Literal[VOTES] | None = Field(  # every rule of embedding.votes.RULES
         None,
         description="voting rule (default SNCA_VOTE): knn (the paper's), prototype, "
-        "kde (density-aware)",
+        "kde (density-aware, equal label priors), kde_shrunk (kde with a prior of a few "
+        "pseudo-items from the whole gallery, the default)",
     )
     neighbors: bool = Field(False, description="include the k nearest gallery items")
     labels: list[str] | None = Field(
         None, description="only consider these labels (repeat the parameter)"
+    )
+    unknown: Literal["on", "off"] = Field(
+        "on", description="off: never flag unknown (the calibrated rule and the fixed floors)"
+    )
+    unknown_tpr: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="the calibrated rule's acceptance rate of the gallery's own kind for this "
+        "request (default SNCA_UNKNOWN_TPR): higher flags fewer images unknown",
     )
 
 
@@ -101,10 +112,11 @@ _QUERY_DOCS = {
 }
 
 
-def read_query(request: Request) -> tuple[ServiceState, int, str, tuple | None, bool]:
+def read_query(request: Request) -> tuple[ServiceState, int, str, tuple | None, bool, float | None]:
     """The ready state (503 otherwise) and the validated query (422 in FastAPI's own error
     format otherwise) with the defaults applied: (state, k, vote, labels filter as a sorted
-    tuple or None (404 for an unknown label), neighbors)."""
+    tuple or None (404 for an unknown label), neighbors, the open-set acceptance rate: None
+    for unknown=off)."""
     state = ready_state(request)
     qp = request.query_params
     raw = {k: v for k, v in qp.items() if k != "labels"}
@@ -119,7 +131,10 @@ def read_query(request: Request) -> tuple[ServiceState, int, str, tuple | None, 
     if labels is not None:
         labels = tuple(sorted({normalize_label(lab) for lab in labels} - {""}))
         check_labels(state, labels)
-    return state, q.k or state.settings.k, q.vote or state.settings.vote, labels, q.neighbors
+    s = state.settings
+    # None: no unknown at all; 0: the fixed floors only (SNCA_UNKNOWN_TPR=0)
+    tpr = None if q.unknown == "off" else (q.unknown_tpr or s.unknown_tpr)
+    return state, q.k or s.k, q.vote or s.vote, labels, q.neighbors, tpr
 
 
 def check_labels(state: ServiceState, labels) -> None:
@@ -144,21 +159,45 @@ async def add_thumbnail_urls(state: ServiceState, results: list[dict]) -> None:
             n["thumbnail_url"] = thumbnail_url(n["id"]) if n["id"] in have else None
 
 
-def result(state: ServiceState, c: Classification, vote: str, k: int, neighbors: bool) -> dict:
+def result(
+    state: ServiceState,
+    c: Classification,
+    vote: str,
+    k: int,
+    neighbors: bool,
+    tpr: float | None,
+    thresholds,
+) -> dict:
     """A ClassifyResult as a plain dict: routes return it in a JSONResponse, skipping FastAPI's
     validate-and-serialise pass (a quarter of the per-request CPU for 28x28 images). The
-    route tests check every response against the ClassifyResult schema."""
+    route tests check every response against the ClassifyResult schema. `thresholds` (C,) per
+    label id at acceptance `tpr` (None: unknown=off)."""
     s = state.settings
-    unknown = (
-        c.label is None
-        or c.best_similarity < s.unknown_similarity
-        or c.confidence < s.unknown_probability
-    )
+    threshold = None
+    if thresholds is not None and 0 <= c.label_id < len(thresholds):
+        t = float(thresholds[c.label_id])
+        threshold = None if t == float("-inf") else t
+    if tpr is None:
+        unknown = False
+    else:
+        unknown = (
+            c.label is None
+            or c.best_similarity < s.unknown_similarity
+            or c.confidence < s.unknown_probability
+            or (
+                threshold is not None
+                and c.unknown_score is not None
+                and c.unknown_score < threshold
+            )
+        )
     r = {
         "label": c.label,
         "confidence": c.confidence,
         "probabilities": [{"label": lab, "probability": min(1.0, p)} for lab, p in c.probabilities],
         "unknown": unknown,
+        "unknown_score": c.unknown_score,
+        "unknown_threshold": threshold,
+        "unknown_tpr": tpr or None,
         "best_similarity": c.best_similarity,
         "vote": vote,
         "k": k,
@@ -184,7 +223,7 @@ async def read_uploads(request: Request, field: str, max_files: int) -> list[byt
 async def answers(state: ServiceState, prepared: list, query: tuple) -> list[dict]:
     """Classify prepared uploads (one job each on the batcher) -> ClassifyResult dicts, in
     order, with the metrics counted and the neighbours' thumbnail URLs when asked."""
-    k, vote_name, labels, neighbors = query
+    k, vote_name, labels, neighbors, tpr = query
     rt = state.runtime
     if len(prepared) == 1:  # the common request: no gather (a task per job)
         cs = [await rt.classify(prepared[0], vote_name, k, labels, neighbors)]
@@ -193,7 +232,8 @@ async def answers(state: ServiceState, prepared: list, query: tuple) -> list[dic
             *[rt.classify(p, vote_name, k, labels, neighbors) for p in prepared]
         )
     state.metrics.classified.labels(vote_name).inc(len(cs))
-    out = [result(state, c, vote_name, k, neighbors) for c in cs]
+    thresholds = state.gallery.thresholds_at(tpr) if tpr else None
+    out = [result(state, c, vote_name, k, neighbors, tpr, thresholds) for c in cs]
     unknown = sum(r["unknown"] for r in out)
     if unknown:
         state.metrics.unknown.inc(unknown)

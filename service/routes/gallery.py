@@ -4,6 +4,7 @@ its thumbnail; DELETE a label or an item."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import asdict
 from typing import Annotated
 
 import numpy as np
@@ -30,6 +31,7 @@ from ..schemas import (
     ErrorBody,
     ItemInfo,
     ItemsPage,
+    LabelDiagnostics,
     LabelInfo,
     LabelsResult,
 )
@@ -154,7 +156,16 @@ async def add(request: Request, state: StateDep):
     ]
     thumbs = [p.thumbnail for p in prepared]
     ids, seq = await run_in_threadpool(state.add, label, emb, md, stored, thumbs)
-    out = AddResult(ids=ids, label=label, count=state.gallery.count_of(label), gallery_version=seq)
+    diag = await run_in_threadpool(
+        state.gallery.diagnose, label, s.vote, s.k, s.unknown_tpr, ids, emb
+    )
+    out = AddResult(
+        ids=ids,
+        label=label,
+        count=state.gallery.count_of(label),
+        gallery_version=seq,
+        diagnostics=None if diag is None else LabelDiagnostics.model_validate(asdict(diag)),
+    )
     return JSONResponse(
         out.model_dump(), status_code=201, headers={"Location": f"/gallery/items/{ids[0]}"}
     )
@@ -189,6 +200,25 @@ async def labels(
         gallery_version=state.gallery.version,
         next_page_token=nxt,
     )
+
+
+@router.get(
+    "/diagnostics",
+    response_model=LabelDiagnostics,
+    responses={**READ_ERRORS, 404: {"model": ErrorBody, "description": "no such label"}},
+    summary="How a label's images agree and where it sits among the other labels",
+    openapi_extra=access("read"),
+)
+async def label_diagnostics(
+    state: StateDep,
+    label: Annotated[str, Query(min_length=1, max_length=1000, description="label name")],
+):
+    s = state.settings
+    name = normalize_label(label)
+    diag = await run_in_threadpool(state.gallery.diagnose, name, s.vote, s.k, s.unknown_tpr)
+    if diag is None:
+        raise Problem(404, "label_unknown", f"no live items with label {name!r}")
+    return LabelDiagnostics.model_validate(asdict(diag))
 
 
 def _info(r: ItemRow) -> ItemInfo:

@@ -109,6 +109,12 @@ async function classify(file) {
     $("classify-label").textContent = r.label ?? "(empty gallery)";
     $("classify-confidence").textContent = pct(r.confidence);
     $("classify-unknown").hidden = !r.unknown;
+    $("classify-unknown-box").hidden = !r.unknown;
+    lastClassified = file;
+    const score = r.unknown_score == null ? "" : `open-set score ${r.unknown_score.toFixed(3)}`;
+    const thr = r.unknown_threshold == null ? "" : ` (threshold ${r.unknown_threshold.toFixed(3)} at ${pct(r.unknown_tpr)} of known images accepted)`;
+    $("classify-score").textContent = score + thr;
+    $("classify-unknown-why").textContent = r.label ? `Best guess: ${r.label}.` : "";
     const probs = $("classify-probs");
     probs.replaceChildren(...r.probabilities.map((p) => {
       const li = document.createElement("li");
@@ -127,6 +133,9 @@ async function classify(file) {
     $("classify-result").hidden = true;
     $("classify-preview").removeAttribute("src");
     $("classify-label").textContent = "";
+    $("classify-score").textContent = "";
+    $("classify-unknown-box").hidden = true;
+    lastClassified = null;
     $("classify-probs").replaceChildren();
     $("classify-neighbours").replaceChildren();
     say(e.message);
@@ -134,6 +143,47 @@ async function classify(file) {
 }
 
 // ---------------------------------------------------------------- register
+let lastClassified = null; // the image last classified (carried to the registration tab)
+
+// "Register this image as a new label": the classified image goes to the registration form.
+function carryToRegister() {
+  if (!lastClassified) return;
+  const dt = new DataTransfer();
+  dt.items.add(lastClassified);
+  $("register-files").files = dt.files;
+  $("register-carried").textContent = `1 image carried over from Classify (${lastClassified.name || "image"}); name the new label, add more images of it if you have them.`;
+  $("register-carried").hidden = false;
+  showTab("register");
+  $("register-label").focus();
+}
+
+function showDiagnostics(d) {
+  const warnings = $("register-warnings");
+  const facts = $("register-facts");
+  if (!d) { warnings.replaceChildren(); facts.replaceChildren(); return; }
+  warnings.replaceChildren(...(d.warnings.length ? d.warnings : ["no warnings"]).map((w) => {
+    const li = document.createElement("li");
+    li.textContent = w;
+    if (d.warnings.length) li.className = "warning";
+    return li;
+  }));
+  const rows = [
+    ["images checked", String(d.checked)],
+    ["leave-one-out agreement", d.agreement == null ? "— (one image)" : pct(d.agreement)],
+    ["cohesion (mean cosine within the label)", d.cohesion == null ? "—" : d.cohesion.toFixed(3)],
+    ["typical cohesion of the gallery's labels", d.gallery_cohesion == null ? "—" : d.gallery_cohesion.toFixed(3)],
+    ["nearest other label", d.nearest_label == null ? "—" : `${d.nearest_label} (cosine ${d.nearest_similarity.toFixed(3)})`],
+    ["suspected outliers", d.outliers.length ? d.outliers.map((o) => `#${o.id} → ${o.sits_with} (${pct(o.probability)})`).join(", ") : "none"],
+  ];
+  facts.replaceChildren(...rows.flatMap(([k, v]) => {
+    const dt = document.createElement("dt");
+    dt.textContent = k;
+    const dd = document.createElement("dd");
+    dd.textContent = v;
+    return [dt, dd];
+  }));
+}
+
 async function register(ev) {
   ev.preventDefault();
   say("");
@@ -153,7 +203,9 @@ async function register(ev) {
     const check = new FormData();
     check.append("image", files[0]);
     const c = await api("/classify", { method: "POST", body: check });
-    $("register-check").textContent = `${c.label} (${pct(c.confidence)})`;
+    $("register-check").textContent = `${c.label} (${pct(c.confidence)})${c.unknown ? " — still unknown" : ""}`;
+    showDiagnostics(r.diagnostics);
+    $("register-carried").hidden = true;
     $("register-result").hidden = false;
     say(`"${r.label}" is in the gallery`, true);
     refreshStatus();
@@ -258,6 +310,8 @@ document.addEventListener("DOMContentLoaded", () => {
   dropZone($("classify-drop"), $("classify-file"), classify);
   dropZone($("search-file").parentElement, $("search-file"), search);
   $("register-form").addEventListener("submit", register);
+  $("classify-register").addEventListener("click", carryToRegister);
+  $("register-files").addEventListener("change", () => { $("register-carried").hidden = true; });
   for (const f of ["classify-form", "search-form"]) $(f).addEventListener("submit", (e) => e.preventDefault());
   refreshStatus();
 });

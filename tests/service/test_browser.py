@@ -153,3 +153,46 @@ def test_classify_register_labels_search_in_the_browser(server, browser, tmp_pat
         )
     for shot in ("classify", "search", "phone"):
         assert (tmp_path / f"{shot}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_an_unknown_image_is_offered_for_registration(server, browser, tmp_path, fmnist_test):
+    """Classify an image the gallery has no label for: the page says "unknown" and offers to
+    register it; the image goes to the registration tab, and the registration's diagnostics
+    are shown."""
+    from playwright.sync_api import expect
+
+    pick = None  # a T-shirt (never trained on) that the service calls unknown
+    for i in of_class(fmnist_test, 0, 30):
+        r = httpx.post(server.url + "/classify", files={"image": ("t.png", png(fmnist_test, i))})
+        if r.json()["unknown"]:
+            pick = i
+            break
+    assert pick is not None, "no T-shirt among 30 is unknown"
+    path = tmp_path / "new-thing.png"
+    path.write_bytes(png(fmnist_test, pick))
+
+    page = browser.new_page(viewport={"width": 1100, "height": 900})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/")
+    expect(page.locator("#status")).to_contain_text("items")
+    page.set_input_files("#classify-file", str(path))
+    expect(page.locator("#classify-unknown-box")).to_be_visible()
+    expect(page.locator("#classify-unknown")).to_be_visible()
+    expect(page.locator("#classify-score")).to_contain_text("threshold")
+    page.click("#classify-register")
+    expect(page.locator("#tab-register")).to_be_visible()
+    expect(page.locator("#register-carried")).to_contain_text("carried over")
+    assert page.evaluate("document.getElementById('register-files').files.length") == 1
+    assert page.evaluate("document.getElementById('register-files').files[0].name") == path.name
+    page.fill("#register-label", "new-thing")
+    page.click("#register-submit")
+    expect(page.locator("#register-check")).to_contain_text("new-thing")
+    expect(page.locator("#register-facts")).to_contain_text("leave-one-out agreement")
+    expect(page.locator("#register-warnings li").first).to_be_visible()
+    page.screenshot(path=str(tmp_path / "unknown.png"), full_page=True)
+    labels = httpx.get(server.url + "/gallery/labels").json()["labels"]
+    assert {"label": "new-thing", "count": 1, "source": "added"} in labels
+    httpx.delete(server.url + "/gallery/labels/new-thing")
+    assert errors == []

@@ -63,7 +63,7 @@ def test_classify_base_images(client, fmnist_test):
                 "vote",
                 "k",
             }
-            assert body["vote"] == "kde" and body["k"] == 30
+            assert body["vote"] == "kde_shrunk" and body["k"] == 30
             assert 0 < len(body["probabilities"]) <= 5
             assert abs(sum(p["probability"] for p in body["probabilities"]) - 1) < 0.05
             assert float(r.headers["x-process-time-ms"]) > 0 and r.headers["x-request-id"]
