@@ -58,7 +58,7 @@ def taken(run: Path, label: str, image: bytes, probe: bytes, test, vote: str) ->
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("run", type=Path, help="run dir with its index (default RUN/index)")
-    ap.add_argument("--vote", default="kde")
+    ap.add_argument("--vote", default="kde_shrunk")
     ap.add_argument("--max-share", type=float, default=0.02)
     a = ap.parse_args()
     test = load_raw("fashion-mnist", "test")

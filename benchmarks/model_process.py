@@ -49,7 +49,7 @@ worker = subprocess.Popen(
 os.close(jobs_r); os.close(done_w)
 assert os.read(done_r, 1) == b"R", "the worker did not start"
 os.set_blocking(done_r, False)
-VOTES = ["knn", "prototype", "kde"]
+from embedding.votes import VOTES
 HEAD = struct.Struct("<qBHI")  # job id, vote, k, pixel bytes
 futures, ids, buf, loop = {}, itertools.count(), bytearray(), None
 
@@ -66,7 +66,9 @@ def on_results():
         for i, r in json.loads(bytes(buf[4:4 + n])):
             f = futures.pop(i)
             if not f.done():
-                f.set_result(Classification(r[0], r[1], [tuple(p) for p in r[2]], r[3], []))
+                f.set_result(
+                    Classification(r[0], r[1], [tuple(p) for p in r[2]], r[3], [], r[4], r[5])
+                )
         del buf[:4 + n]
 
 async def classify(self, p, vote, k, labels, neighbors):
@@ -105,7 +107,7 @@ st = ServiceHost(Settings(model=run, data_dir=data_dir / "worker")).finish().run
 # the service sets its thread count on the model thread; OpenMP keeps it per thread
 torch.set_num_threads(st.info.torch_threads)
 shape = (st.embedder.model.config.in_channels,) + (st.embedder.model.config.image_size,) * 2
-VOTES = ["knn", "prototype", "kde"]
+from embedding.votes import VOTES
 HEAD = struct.Struct("<qBHI")
 os.write(done_w, b"R")
 buf = bytearray()
@@ -123,7 +125,8 @@ while data := os.read(jobs_r, 1 << 20):  # everything queued is one batch
     for s in range(0, len(jobs), 64):
         res = st._run_batch(jobs[s:s + 64])
         out = json.dumps(
-            [[i, [r.label, r.confidence, r.probabilities, r.best_similarity]]
+            [[i, [r.label, r.confidence, r.probabilities, r.best_similarity, r.unknown_score,
+                  r.label_id]]
              for i, r in zip(ids[s:s + 64], res)]
         ).encode()
         os.write(done_w, len(out).to_bytes(4, "little") + out)
