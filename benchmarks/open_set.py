@@ -177,7 +177,7 @@ def overlap(a) -> dict:
                 others = rng.choice(np.nonzero((qy != c).numpy())[0], a.others, replace=False)
                 qq = q[np.concatenate([mine, others])]
                 for r in rules:
-                    took = classify_labels(sub, qq, r) == "new-label"
+                    took = classify_all(sub, qq, r)[0] == "new-label"
                     res[r]["taken"].append(float(took[: len(mine)].mean()))
                     res[r]["others"].append(float(took[len(mine) :].mean()))
                     per_class[r].setdefault(name, []).append(float(took[: len(mine)].mean()))
@@ -220,13 +220,6 @@ def _clone_index(index):
     import faiss
 
     return faiss.clone_index(index)
-
-
-def classify_labels(gal: Gallery, q: torch.Tensor, rule: str) -> np.ndarray:
-    out = []
-    for s in range(0, len(q), 1000):
-        out += [c.label for c in gal.classify(q[s : s + 1000].contiguous(), rule, 30)]
-    return np.array(out, dtype=object)
 
 
 def classify_all(gal: Gallery, q: torch.Tensor, rule: str):
@@ -341,7 +334,7 @@ def ood(a) -> dict:
             }
             if a.register:
                 calibrated["after_registration"] = register_novel(
-                    a, gal, raw, novel_ids, q_id, lid_id, s_id, th, q_near, per["near"], rng
+                    a, model, gal, raw, novel_ids, q_id, lid_id, s_id, th, q_near, per["near"], rng
                 )
     table = {}
     for name, (sid, sets_) in scores.items():
@@ -367,18 +360,16 @@ def ood(a) -> dict:
     return out
 
 
-def register_novel(a, gal, raw, novel_ids, q_id, lid_id, s_id, th, q_near, near_res, rng):
+def register_novel(a, model, gal, raw, novel_ids, q_id, lid_id, s_id, th, q_near, near_res, rng):
     """Register each held-out class from `a.register` training images; how many of the
     near-OOD (held-out class) queries are unknown before and after, and the in-distribution
     acceptance before and after."""
     before_unknown = float((near_res[3] < th[near_res[1]]).mean())
     sub = make_sub(gal)
-    taken = set()
     for c in novel_ids:
         pool = np.nonzero(raw.targets == c)[0]
         pick = rng.choice(pool, a.register, replace=False)
-        taken.update(pick.tolist())
-        add_label(sub, f"new:{raw.class_names[c]}", embed_positions_any(raw, pick, a))
+        add_label(sub, f"new:{raw.class_names[c]}", embed_positions(model, raw, pick).numpy())
     th2 = sub.thresholds(a.tpr)
     lab, lid, _, s, _ = classify_all(sub, q_near, a.vote)
     _, lid_b, _, s_b, _ = classify_all(sub, q_id, a.vote)
@@ -397,15 +388,6 @@ def register_novel(a, gal, raw, novel_ids, q_id, lid_id, s_id, th, q_near, near_
         f"{100 * res['id_accepted_before']:.1f}% -> {100 * res['id_accepted_after']:.1f}%"
     )
     return res
-
-
-_MODEL_CACHE: dict = {}
-
-
-def embed_positions_any(raw, pos, a) -> np.ndarray:
-    if "model" not in _MODEL_CACHE:
-        _MODEL_CACHE["model"] = RunDir(a.run).load_model()
-    return embed_positions(_MODEL_CACHE["model"], raw, pos).numpy()
 
 
 def cost(a) -> dict:
