@@ -1,10 +1,14 @@
-"""Issue 18's attacks against a real `snca-serve`, each with the status and time it now gets
-(docs/RELIABILITY.md, "Attacks"). Prints a markdown table.
+"""Issue 18's and issue 27's attacks against a real `snca-serve`, each with the status and time
+it now gets (docs/RELIABILITY.md, "Attacks"). Prints a markdown table.
 
-    python benchmarks/attacks.py runs/demo          # make run's model; ~1 minute
+    python benchmarks/attacks.py runs/demo          # make run's model; ~2 minutes
 
-The server runs with SNCA_MAX_CONNECTIONS=100 (to show the cap without opening 1,000 sockets)
-and SNCA_HEADER_TIMEOUT_S=10 / SNCA_BODY_TIMEOUT_S=60 (the defaults); a temporary data dir.
+The server runs as the Docker image runs it, bound to 0.0.0.0 (the allowed Host names are then
+loopback's and this host's own), with SNCA_MAX_CONNECTIONS=100 (to show the cap without opening
+1,000 sockets) and SNCA_HEADER_TIMEOUT_S=10 / SNCA_BODY_TIMEOUT_S=60 (the defaults); a temporary
+data dir. The attacks of issue 27 that need several processes, a PostgreSQL store or a rolling
+upgrade are regression tests (tests/service/test_migration.py, test_replicas.py,
+test_exposure.py, test_gallery_tool.py), whose figures RELIABILITY.md quotes.
 """
 
 from __future__ import annotations
@@ -77,12 +81,123 @@ def raw(port: int, data: bytes) -> tuple[bytes, float]:
     return out, time.perf_counter() - t0
 
 
+FUTURE = "999999999999999998"  # a version no store has reached
+
+
+def _classify_for(c: httpx.Client, tee: bytes, seconds: float) -> int:
+    """Classifications completed back to back in `seconds`."""
+    n, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert c.post("/classify", files={"image": ("q.png", tee)}).status_code == 200
+        n += 1
+    return n
+
+
+def _flood(port: int, head: bytes, rate: float, stop: threading.Event) -> list[int]:
+    """Send-and-close requests at about `rate` per second until `stop`; how many were sent."""
+    sent = [0]
+
+    def run():
+        gap = 1 / rate
+        nxt = time.monotonic()
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    s.sendall(head)
+                sent[0] += 1
+            except OSError:
+                pass
+            nxt += gap
+            time.sleep(max(0.0, nxt - time.monotonic()))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return sent
+
+
+def round_three(c: httpx.Client, port: int, tee: bytes) -> None:
+    """Issue 27's attacks on one server (numbers in the R3 rows)."""
+    base = _classify_for(c, tee, 6.0)
+    for route in ("/healthz", "/gallery/labels"):
+        stop = threading.Event()
+        head = f"GET {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Min-Gallery-Version: {FUTURE}\r\n\r\n"
+        sent = _flood(port, head.encode(), 450, stop)
+        got = _classify_for(c, tee, 6.0)
+        stop.set()
+        row(
+            f"R3 2. send-and-close {route} with X-Min-Gallery-Version {FUTURE}, ~450/s for 6 s",
+            f"{got} classifications completed meanwhile (without the flood: {base}); "
+            f"{sent[0]} sent",
+            6.0,
+        )
+    for route in ("/healthz", "/readyz", "/metrics", "/gallery/labels"):
+        r, dt = timed(lambda route=route: c.get(route, headers={"X-Min-Gallery-Version": FUTURE}))
+        row(
+            f"R3 2/12. {route} with X-Min-Gallery-Version {FUTURE}",
+            f"{code(r)} ({r.headers.get('content-type', '').split(';')[0]})",
+            dt,
+        )
+    # 3. 48 parallel label diagnostics + one add a second; the loop's liveness meanwhile
+    statuses: list[int] = []
+    slow = {"/healthz": 0.0, "/search": 0.0}
+    stop = threading.Event()
+
+    def diag():
+        with httpx.Client(base_url=c.base_url, timeout=300) as cc:
+            statuses.append(cc.get("/gallery/diagnostics", params={"label": "Trouser"}).status_code)
+
+    def probe(route):
+        with httpx.Client(base_url=c.base_url, timeout=300) as cc:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                if route == "/search":
+                    cc.post(route, files={"image": ("q.png", tee)})
+                else:
+                    cc.get(route)
+                slow[route] = max(slow[route], time.monotonic() - t0)
+                time.sleep(0.05)
+
+    def adds():
+        with httpx.Client(base_url=c.base_url, timeout=300) as cc:
+            while not stop.is_set():
+                cc.post("/gallery/add", data={"label": "Trouser"}, files={"images": ("a.png", tee)})
+                time.sleep(1.0)
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=diag) for _ in range(48)]
+    side = [threading.Thread(target=probe, args=(r,)) for r in slow] + [
+        threading.Thread(target=adds)
+    ]
+    for t in ts + side:
+        t.start()
+    for t in ts:
+        t.join()
+    stop.set()
+    for t in side:
+        t.join()
+    row(
+        "R3 3. 48 parallel GET /gallery/diagnostics + 1 add/s",
+        f"{statuses.count(200)} × 200, {statuses.count(429)} × 429 too_busy; slowest "
+        f"/healthz {slow['/healthz']:.2f} s, /search {slow['/search']:.2f} s",
+        time.perf_counter() - t0,
+    )
+    r, dt = timed(
+        lambda: c.post(
+            "/gallery/add",
+            data={"label": "x"},
+            files={"images": ("a.png", tee)},
+            headers={"Host": "evil.example", "Origin": "http://evil.example"},
+        )
+    )
+    row("R3 4. DNS rebinding add, server bound to 0.0.0.0 (the Docker image)", code(r), dt)
+
+
 def main() -> int:
     run = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/demo")
     tmp = Path(tempfile.mkdtemp(prefix="snca-attacks-"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, SNCA_MAX_CONNECTIONS="100", SNCA_THUMBNAILS="true")
+    env = dict(os.environ, SNCA_MAX_CONNECTIONS="100", SNCA_THUMBNAILS="true", SNCA_HOST="0.0.0.0")
     log = open(tmp / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [
@@ -261,6 +376,7 @@ def main() -> int:
         row("12. /favicon.ico", str(r.status_code), dt)
         r, dt = timed(lambda: c.post("/classify", params={"kk": 5}, files={"image": ("q", tee)}))
         row("contract: unknown query parameter kk=5", code(r), dt)
+        round_three(c, port, tee)
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -63,10 +63,14 @@ until curl -sf "$URL/readyz" >/dev/null; do
 done
 echo "ready through the balancer after $((SECONDS - start)) s"
 
-hosts() {  # the replicas the balancer reaches: hostname, gallery_version, checksum
+hosts() {  # the replicas the balancer reaches, each once at version >= $1: hostname, version, checksum
+    # (/readyz ignores X-Min-Gallery-Version, so a replica behind is asked again)
     for _ in $(seq $((SNCA_REPLICAS * 4))); do
-        curl -sf -H "X-Min-Gallery-Version: ${1:-0}" "$URL/readyz" \
-          | python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["hostname"], d["gallery_version"], d["gallery_checksum"], d["store"])'
+        for _try in $(seq 100); do
+            line=$(curl -sf "$URL/readyz" | python3 -c 'import json,sys; d=json.load(sys.stdin); d["gallery_version"] >= int(sys.argv[1]) or sys.exit(1); print(d["hostname"], d["gallery_version"], d["gallery_checksum"], d["store"])' "${1:-0}") && break
+            sleep 0.1
+        done
+        echo "$line"
     done | sort -u
 }
 step "replicas behind the balancer"

@@ -20,9 +20,10 @@ from pathlib import Path
 
 from .errors import ArtifactError
 
-STORE_SCHEMA_VERSION = 3
-# Version 1 lacks items.thumbnail, 2 the log table: read as is, upgraded by `migrate_store`.
-READABLE_SCHEMAS = ("1", "2", "3")
+STORE_SCHEMA_VERSION = 4
+# Version 1 lacks items.thumbnail, 2 the log table, 3 log.token: read as is, upgraded by
+# `migrate_store`.
+READABLE_SCHEMAS = ("1", "2", "3", "4")
 SOURCES = ("trained", "added")
 
 _SCHEMA = (
@@ -53,11 +54,21 @@ CREATE TABLE log (
     seq   INTEGER PRIMARY KEY,           -- the write's sequence number (1, 2, ... no gaps)
     op    TEXT    NOT NULL,              -- add | delete | migrate
     items INTEGER NOT NULL,              -- items it added or deleted
-    at    TEXT    NOT NULL               -- ISO 8601, UTC
+    at    TEXT    NOT NULL,              -- ISO 8601, UTC
+    token TEXT                           -- random per write: names the history it belongs to
 );
 """
 )
 _LOG_TABLE = _SCHEMA[_SCHEMA.index("CREATE TABLE log") :]
+
+
+def new_token() -> str:
+    """A write's token (log.token): random, so two stores that hold the same token at a seq
+    share their whole history up to it (a copy of one), and a store restored from a backup
+    and written past it holds other tokens from there on."""
+    import os
+
+    return os.urandom(8).hex()
 
 
 def utc_now() -> str:
@@ -143,7 +154,9 @@ def open_store(
 def migrate_store(conn: sqlite3.Connection) -> bool:
     """Upgrade a writable store to the current schema in one transaction; True if it changed.
     1 -> 2: items.thumbnail (NULL for existing items). 2 -> 3: the change log (empty; its floor
-    is the last write so far, whose history lives only in items.add_seq/deleted_seq)."""
+    is the last write so far, whose history lives only in items.add_seq/deleted_seq).
+    3 -> 4: log.token (NULL for the writes before: a snapshot taken at one of them is not
+    trusted, and start-up replays from the built index once)."""
     version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
     if version == str(STORE_SCHEMA_VERSION):
         return False
@@ -151,12 +164,14 @@ def migrate_store(conn: sqlite3.Connection) -> bool:
     try:
         if int(version) < 2:
             conn.execute("ALTER TABLE items ADD COLUMN thumbnail BLOB")
-        if int(version) < 3:
+        if int(version) < 3:  # the log table as it is now (with its token column)
             conn.execute(_LOG_TABLE)
             conn.execute(
                 "INSERT OR REPLACE INTO meta (key, value) "
                 "SELECT 'log_floor', value FROM meta WHERE key = 'last_seq'"
             )
+        elif int(version) < 4:
+            conn.execute("ALTER TABLE log ADD COLUMN token TEXT")
         conn.execute(
             "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(STORE_SCHEMA_VERSION),)
         )

@@ -54,15 +54,35 @@ class BodyTimeout(Exception):
 
 
 def allowed_hosts(settings: Settings) -> frozenset[str] | None:
-    """Host header names this server answers to (None: any). Bound to loopback, only loopback
-    names: a web page whose DNS name is re-pointed at 127.0.0.1 (DNS rebinding) sends its own
-    name, and is refused."""
-    if settings.allowed_hosts is not None:
+    """Host header names this server answers to (None: any, only with SNCA_ALLOWED_HOSTS=*).
+    A web page whose DNS name is re-pointed at this server (DNS rebinding) sends its own name
+    and is refused. Default: the loopback names, and when bound beyond loopback also this
+    host's own names and addresses (what a client reaching it directly, a container's health
+    check, or a balancer forwarding those sends); any other name must be listed."""
+    if settings.allowed_hosts is not None and settings.allowed_hosts.strip():
         names = {h.strip().lower() for h in settings.allowed_hosts.split(",") if h.strip()}
         return None if "*" in names else frozenset(names)
     if settings.host in LOOPBACK:
         return frozenset(LOOPBACK)
-    return None
+    return frozenset(LOOPBACK | own_names(settings.host))
+
+
+def own_names(bound: str) -> set[str]:
+    """This host's name, fully qualified name and addresses (and the address bound, unless a
+    wildcard)."""
+    import socket
+
+    names = set()
+    if bound not in ("0.0.0.0", "::", ""):
+        names.add(bound.lower())
+    try:
+        host = socket.gethostname()
+        names |= {host.lower(), socket.getfqdn().lower()}
+        for info in socket.getaddrinfo(host, None):
+            names.add(str(info[4][0]).lower())
+    except OSError:
+        pass
+    return {n for n in names if n}
 
 
 def host_name(header: bytes) -> str:
@@ -207,8 +227,13 @@ class RequestContext:
         m.requests.labels(path, scope.get("method", ""), str(code)).inc()
         m.latency.labels(path).observe(dt)
         if log.isEnabledFor(logging.DEBUG) or code >= 400:
+            # a 503 is the service saying "not now" (not ready, a version not applied, the
+            # store down: each logged where it is found), not a failure of the request's own
+            level = (
+                logging.INFO if code < 500 else logging.WARNING if code == 503 else logging.ERROR
+            )
             log.log(
-                logging.INFO if code < 500 else logging.ERROR,
+                level,
                 "request",
                 extra={
                     "fields": {

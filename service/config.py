@@ -160,6 +160,34 @@ class Settings(BaseSettings):
         description="X-Min-Gallery-Version: how long a read waits for this replica to apply "
         "that write before it answers 503 with Retry-After",
     )
+    max_parked: int = Field(
+        256,
+        ge=1,
+        le=100_000,
+        description="X-Min-Gallery-Version: requests that may wait for a version at once "
+        "(429 beyond)",
+    )
+    max_parked_per_client: int = Field(
+        16,
+        ge=1,
+        le=100_000,
+        description="X-Min-Gallery-Version: requests one client address may have waiting at "
+        "once (429 beyond; behind a proxy every client is the proxy's address)",
+    )
+    diagnostics_concurrency: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="GET /gallery/diagnostics computed at once per process (each ~0.3 s of "
+        "CPU); repeated calls between two writes are answered from a cache",
+    )
+    diagnostics_queue: int = Field(
+        4,
+        ge=0,
+        le=1000,
+        description="GET /gallery/diagnostics calls that may wait for one of those; more are "
+        "answered 429 too_busy at once",
+    )
     workers: int = Field(
         1,
         ge=1,
@@ -188,7 +216,8 @@ class Settings(BaseSettings):
     allowed_hosts: str | None = Field(
         None,
         description="comma-separated Host header names the server answers to ('*': any); "
-        "default: loopback names when bound to loopback (DNS rebinding), else any",
+        "default: the loopback names, and bound beyond loopback also this host's own name and "
+        "addresses; any other name (a DNS name clients use) must be listed (DNS rebinding)",
     )
 
     # slow or too many clients

@@ -3,16 +3,17 @@ check every route goes through (GuardedRoute), before its body is read."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from typing import Annotated, Literal
 
 from fastapi import Depends, Request
 from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
 
 from .problems import Problem
 from .startup import ServiceHost
 from .state import ServiceState
+from .waits import ClientGone
 
 Access = Literal["public", "read", "write"]
 ACCESS_KEY = "x-snca-access"  # the OpenAPI extension that carries a route's access level
@@ -76,6 +77,16 @@ def check_access(request: Request, level: Access) -> None:
         )
 
 
+def may_read(request: Request) -> bool:
+    """Whether this request may see what read routes show (no key needed for reads, or the
+    right key given): /readyz, public for load balancers, shows its details only then."""
+    settings = request.app.state.snca.settings
+    if not needs_key(settings, "read"):
+        return True
+    key = request.headers.get(KEY_HEADER) or ""
+    return hmac.compare_digest(key.encode(), settings.api_key.get_secret_value().encode())
+
+
 def _query_names(dependant) -> set[str]:
     """The query parameters FastAPI reads for a route, its dependencies' included."""
     names, stack = set(), [dependant]
@@ -118,7 +129,7 @@ class GuardedRoute(APIRoute):
                     f"{takes})",
                 )
             min_version = request.headers.get(MIN_VERSION_HEADER)
-            if min_version is not None:
+            if min_version is not None and level != "public":  # (health, metrics: never)
                 await wait_for_version(request, min_version)
             return await handler(request)
 
@@ -131,8 +142,9 @@ MIN_VERSION_HEADER = "X-Min-Gallery-Version"
 async def wait_for_version(request: Request, value: str) -> None:
     """Read-your-writes across replicas: hold the request until this replica has applied write
     `value` (a `gallery_version` another replica answered), at most SNCA_MIN_VERSION_WAIT_S;
-    then 503 + Retry-After. Polls the in-memory version (the follower applies writes on its
-    own thread and is woken by the store)."""
+    then 503 + Retry-After. A version no write has reached yet is refused at once (422
+    `version_unknown`); a parked request awaits a future (service/waits.py), ends when its
+    client goes, and counts against SNCA_MAX_PARKED(_PER_CLIENT) (429)."""
     if not (value.isascii() and value.isdigit()) or len(value) > 18:
         raise Problem(
             422,
@@ -146,18 +158,41 @@ async def wait_for_version(request: Request, value: str) -> None:
     state, want = host.state, int(value)
     if state.gallery.version >= want:
         return
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + state.settings.min_version_wait_s
-    while state.gallery.version < want:
-        if loop.time() >= deadline:
-            raise Problem(
-                503,
-                "version_not_applied",
-                f"this replica is at gallery_version {state.gallery.version}, not yet at "
-                f"{want} ({MIN_VERSION_HEADER}) after {state.settings.min_version_wait_s:g} s",
-                headers={"Retry-After": "1"},
+    # Written and acknowledged somewhere means committed to the store: a version past the
+    # store's last write was never answered by any replica
+    head = await run_in_threadpool(state.store.last_seq)
+    if want > head:
+        raise Problem(
+            422,
+            "version_unknown",
+            f"no write has gallery_version {want} yet: the gallery store's last write is "
+            f"{head} ({MIN_VERSION_HEADER} takes a gallery_version an answer carried)",
+        )
+    s = state.settings
+    client = (request.scope.get("client") or ("?",))[0]
+    receive = request._receive
+    with state.waits.admitted(client):
+        try:
+            reached, body = await state.waits.wait(
+                want, lambda: state.gallery.version, s.min_version_wait_s, receive
             )
-        await asyncio.sleep(0.002)
+        except ClientGone:
+            raise Problem(499, "client_gone", "the client closed the connection") from None
+    if body:  # what the route reads next: the body read while parked, then the rest
+        pending = list(body)
+
+        async def replay():
+            return pending.pop(0) if pending else await receive()
+
+        request._receive = replay
+    if not reached:
+        raise Problem(
+            503,
+            "version_not_applied",
+            f"this replica is at gallery_version {state.gallery.version}, not yet at "
+            f"{want} ({MIN_VERSION_HEADER}) after {s.min_version_wait_s:g} s",
+            headers={"Retry-After": "1"},
+        )
 
 
 def ready_state(request: Request) -> ServiceState:

@@ -10,20 +10,28 @@ with the service's model and preprocessing, in batches with a progress bar, and 
 batch through the service's durable write path (one store transaction per label and batch,
 appended to the change log): a server running on the same store sees the items as they
 commit. Reruns are resumable: an image already imported under the same label (same bytes,
-recorded as metadata {"import": {"path", "sha256"}}) is skipped. Unreadable images and
-invalid labels are listed, skipped, and make the exit status 1; nothing imported is lost.
+recorded as metadata {"import": {"path", "sha256"}}) is skipped. Unreadable, oversized
+(> SNCA_MAX_UPLOAD_BYTES) or non-regular files, bad CSV rows, CSV paths outside the CSV's
+folder (absolute or with `..`, unless --allow-outside) and invalid labels are listed, skipped,
+and make the exit status 1; nothing imported is lost.
 
-An export writes every live item to OUT/items.jsonl (id, label, source, metadata, created_at,
-and for added items the stored image's path under OUT/images/<label>/) in id order, and
-OUT/labels.json (label -> folder; a label that is no safe folder name gets a number).
+An export is a point-in-time copy (one read transaction of the store: writes committed while
+it runs are not in it): every live item to OUT/items.jsonl (id, label, source, metadata,
+created_at, and for added items the stored image's path under OUT/images/<label>/) in id
+order, OUT/labels.json (label -> folder; a label that is no safe folder name, or longer than
+100 bytes, gets a number) and OUT/export.json (the gallery_version it shows, counts). Every
+file and folder is created new inside OUT (no symbolic link is followed).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import json
+import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--thumbnails", action="store_true", help="keep a thumbnail of each image (the web page)"
     )
     imp.add_argument(
+        "--allow-outside",
+        action="store_true",
+        help="import CSV rows whose path is absolute or climbs out of the CSV's folder (..)",
+    )
+    imp.add_argument(
         "--batch-size",
         type=positive_int,
         default=256,
@@ -94,9 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------- sources
-def read_entries(source: Path) -> list[Entry]:
+def read_entries(
+    source: Path, allow_outside: bool = False, bad: list[str] | None = None
+) -> list[Entry]:
     """ImageFolder (SRC/<label>/<image files>) or a CSV of path,label (paths relative to the
-    CSV's folder; a first row "path,label" is a header)."""
+    CSV's folder; a first row "path,label" is a header; a UTF-8 BOM is fine). A CSV row that
+    cannot be used is described in `bad` and skipped (with bad None: an error)."""
     if source.is_dir():
         out = []
         for d in sorted(p for p in source.iterdir() if p.is_dir() and not p.name.startswith(".")):
@@ -111,21 +127,65 @@ def read_entries(source: Path) -> list[Entry]:
         return out
     if source.is_file() and source.suffix.lower() == ".csv":
         out = []
-        with open(source, newline="", encoding="utf-8") as f:
-            for n, row in enumerate(csv.reader(f), start=1):
+
+        def skip(n: int, why: str) -> None:
+            if bad is None:
+                raise SNCAError(f"{source}, line {n}: {why}")
+            bad.append(f"{source.name}, line {n}: {why}")
+
+        with open(source, newline="", encoding="utf-8-sig") as f:
+            rows = csv.reader(f)
+            n = 0
+            while True:
+                try:
+                    row = next(rows)
+                except StopIteration:
+                    break
+                except csv.Error as e:  # (a field over the csv module's limit, say)
+                    skip(rows.line_num, str(e))
+                    continue
+                n += 1
                 if not row or (
                     n == 1 and [c.strip().lower() for c in row[:2]] == ["path", "label"]
                 ):
                     continue
                 if len(row) < 2 or not row[0].strip():
-                    raise SNCAError(f"{source}, line {n}: expected path,label; got {row!r}")
+                    skip(rows.line_num, f"expected path,label; got {str(row)[:200]}")
+                    continue
                 path = Path(row[0].strip())
+                if not allow_outside and (path.is_absolute() or ".." in path.parts):
+                    skip(
+                        rows.line_num,
+                        f"{row[0][:200]!r} is outside the CSV's folder (--allow-outside "
+                        "imports it)",
+                    )
+                    continue
                 full = path if path.is_absolute() else source.parent / path
                 out.append(Entry(full, path.as_posix(), row[1]))
-        if not out:
+        if not out and not bad:
             raise SNCAError(f"{source} lists no images (rows of path,label)")
         return out
     raise SNCAError(f"{source} is neither a folder of label folders nor a .csv file")
+
+
+def read_image_file(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (OSError otherwise): the size is
+    checked before reading, and no more than limit + 1 bytes are ever read (a file that grows,
+    or a sparse one, cannot make this take more memory)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO would block an open)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"not a regular file: {path}")
+        if st.st_size > limit:
+            raise OSError(f"{st.st_size} bytes; the limit is {limit} (SNCA_MAX_UPLOAD_BYTES)")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise OSError(f"over {limit} bytes (SNCA_MAX_UPLOAD_BYTES)")
+    return data
 
 
 # ---------------------------------------------------------------------------- the service
@@ -163,12 +223,13 @@ def import_images(args: dict, log=print) -> int:
     from .embedder import ImageError, open_image
     from .inputs import check_label
     from .problems import Problem
+    from .store import StoreUnavailable
 
-    entries = read_entries(args["source"])
+    failed: list[str] = []
+    entries = read_entries(args["source"], args.get("allow_outside", False), failed)
     host = open_state(args, snapshot_every=0)
     state = host.state
     s = state.settings
-    failed: list[str] = []
     added = skipped = 0
     try:
         todo = []
@@ -190,7 +251,7 @@ def import_images(args: dict, log=print) -> int:
                 ready = []  # (entry, Prepared, metadata)
                 for e in chunk:
                     try:
-                        data = e.path.read_bytes()
+                        data = read_image_file(e.path, s.max_upload_bytes)
                     except OSError as err:
                         failed.append(f"{e.key}: {err.strerror or err}")
                         continue
@@ -206,7 +267,13 @@ def import_images(args: dict, log=print) -> int:
                         continue
                     ready.append((e, p, {"import": {"path": e.key, "sha256": digest}}))
                     done.add((e.label, digest))  # the same bytes twice in one run: once
-                added += _write(state, ready)
+                try:
+                    added += _write(state, ready)
+                except StoreUnavailable as err:
+                    raise SNCAError(
+                        f"the gallery store refused the write ({err}); {added} images were "
+                        "imported before it: run this again to import the rest"
+                    ) from None
                 bar.update(len(chunk))
         log(
             f"snca-gallery: imported {added}, skipped {skipped} already in, {len(failed)} "
@@ -261,37 +328,62 @@ def export_items(args: dict, log=print) -> int:
     from embedding.progress import Progress
 
     out: Path = args["out"]
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise SNCAError(f"{out} exists and is not an empty folder")
-    host = open_state(args, snapshot_every=0)
-    store = host.state.store
+    # The folder is opened once and everything is created inside it through that handle, new
+    # (O_EXCL) and never through a symbolic link (O_NOFOLLOW): a link planted in OUT while
+    # the model loads cannot send a file elsewhere.
+    root = _open_export_dir(out)
     try:
-        total = host.state.gallery.size()
-        (out / "images").mkdir(parents=True, exist_ok=True)
-        label_dirs: dict[str, str] = {}
-        taken: set[str] = set()
-        images, after, n = {}, -1, 0
+        host = open_state(args, snapshot_every=0)
+        try:
+            with host.state.store.reader() as view:  # one point in time
+                n, n_images, version = _export(view, root, host.state, args, Progress)
+        finally:
+            host.stop()
+    finally:
+        os.close(root)
+    log(
+        f"snca-gallery: exported {n} items ({n_images} images) at gallery_version {version} "
+        f"to {out}",
+        flush=True,
+    )
+    return 0
+
+
+def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
+    version = view.last_seq()
+    label_dirs: dict[str, str] = {}
+    dir_fds: dict[str, int] = {}
+    taken: set[str] = set()
+    images, after = {}, -1
+    images_dir = _mkdir(root, "images")
+    try:
         while True:  # the stored images of added items, by id
-            page = store.added_items(after, 500)
+            page = view.added_items(after, 500)
             if not page:
                 break
             for it in page:
                 if it.image is not None:
                     sub = label_dirs.setdefault(it.label, _folder(it.label, taken))
-                    (out / "images" / sub).mkdir(exist_ok=True)
-                    rel = f"images/{sub}/{it.id}.{EXT.get(it.image_type or '', 'bin')}"
-                    (out / rel).write_bytes(it.image)
-                    images[it.id] = rel
+                    if sub not in dir_fds:
+                        dir_fds[sub] = _mkdir(images_dir, sub)
+                    name = f"{it.id}.{EXT.get(it.image_type or '', 'bin')}"
+                    _write_new(dir_fds[sub], name, it.image)
+                    images[it.id] = f"images/{sub}/{name}"
             after = page[-1].id
-        with (
-            open(out / "items.jsonl", "w", encoding="utf-8") as f,
-            Progress(total, "exporting", "item", enabled=args.get("progress", True)) as bar,
-        ):
-            after = -1
+    finally:
+        for fd in (*dir_fds.values(), images_dir):
+            os.close(fd)
+    n = 0
+    total = state.gallery.size()
+    with Progress(total, "exporting", "item", enabled=args.get("progress", True)) as bar:
+        after = -1
+        fd = os.open("items.jsonl", _NEW, 0o644, dir_fd=root)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             while True:
-                page = store.item_rows(after, 2000)
+                page = view.item_rows(after, 2000)
                 if not page:
                     break
+                lines = []
                 for r in page:
                     row = {
                         "id": r.id,
@@ -301,15 +393,61 @@ def export_items(args: dict, log=print) -> int:
                         "created_at": r.created_at,
                         "image": images.get(r.id),
                     }
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    lines.append(json.dumps(row, ensure_ascii=False) + "\n")
                     n += 1
+                f.write("".join(lines))
                 bar.update(len(page))
                 after = page[-1].id
-        (out / "labels.json").write_text(json.dumps(label_dirs, ensure_ascii=False, indent=1))
-        log(f"snca-gallery: exported {n} items ({len(images)} images) to {out}", flush=True)
-    finally:
-        host.stop()
-    return 0
+    _write_new(root, "labels.json", json.dumps(label_dirs, ensure_ascii=False, indent=1).encode())
+    summary = {"gallery_version": version, "items": n, "images": len(images)}
+    _write_new(root, "export.json", json.dumps(summary, indent=1).encode())
+    return n, len(images), version
+
+
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+
+
+def _open_export_dir(out: Path) -> int:
+    """A handle on OUT, a new or empty folder (created here when absent), not a link."""
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(out)
+    try:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise SNCAError(f"{out} is not a folder this can write into ({e.strerror})") from None
+    if os.listdir(fd):
+        os.close(fd)
+        raise SNCAError(f"{out} exists and is not an empty folder")
+    return fd
+
+
+def _mkdir(parent: int, name: str) -> int:
+    """A new folder `name` in the folder `parent` (a handle), opened without following links."""
+    try:
+        os.mkdir(name, 0o755, dir_fd=parent)
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    except OSError as e:
+        raise SNCAError(
+            f"cannot create {name!r} in the export folder ({e.strerror}): something else "
+            "wrote into it meanwhile"
+        ) from None
+
+
+def _write_new(parent: int, name: str, data: bytes) -> None:
+    try:
+        fd = os.open(name, _NEW, 0o644, dir_fd=parent)
+    except OSError as e:
+        raise SNCAError(
+            f"cannot create {name!r} in the export folder ({e.strerror}): something else "
+            "wrote into it meanwhile"
+        ) from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+MAX_FOLDER_BYTES = 100  # a label longer than this (UTF-8) gets a number: NAME_MAX is 255 bytes
 
 
 def _folder(label: str, taken: set[str]) -> str:
@@ -318,7 +456,13 @@ def _folder(label: str, taken: set[str]) -> str:
     bad = set('/\\\0:*?"<>|') & set(label)
     name = label
     n = len(taken)
-    while bad or name.startswith(".") or name.strip() != name or name in taken:
+    while (
+        bad
+        or name.startswith(".")
+        or name.strip() != name
+        or name in taken
+        or len(name.encode("utf-8", "surrogatepass")) > MAX_FOLDER_BYTES
+    ):
         name, bad, n = f"{n:05d}", set(), n + 1
     taken.add(name)
     return name

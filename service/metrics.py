@@ -37,6 +37,11 @@ class Metrics:
         self.classified = Counter(
             "snca_classified_total", "classified images", ["vote"], registry=r
         )
+        self.parked = Gauge(
+            "snca_parked_requests",
+            "requests waiting for an X-Min-Gallery-Version to be applied",
+            registry=r,
+        )
         self.unknown = Counter(
             "snca_unknown_total", "classified images flagged unknown", registry=r
         )

@@ -19,8 +19,21 @@ table maps old to new.
 
 Crash safety: the new store is written beside the old one (gallery.sqlite.migrating), in
 batches, each one transaction that also records the old ids it carried; a restart resumes
-after them. Only when it is complete is the old store merged into one file, linked into
-previous/ and the new one renamed over it. The old store's items are never changed.
+after them. The old store's items are never changed.
+
+Writers meanwhile (a server with the old model, `snca-gallery import`) are followed, not
+raced: the copy records the old store's seq it started from (`source_seq`, and that write's
+token: a resumed copy must come from the same history), and rounds of catch-up carry every
+add and delete committed after it. The last round runs inside a write transaction of the old
+store (its write lock, so nothing can commit meanwhile) that also seals it (meta
+`carried_to`): every later write on it is refused, and the processes still serving it let go
+of it (service/state.py). Only then, once no process has the old store open, is it merged into
+one file, linked into previous/ and the new one renamed over it. A crash after the seal leaves
+a sealed store and a complete new one: the next start of any model finishes the swap.
+
+One migration at a time per data dir, across processes: an flock on
+`.gallery.sqlite.migrate.lock`, which every start takes to look at the store (it waits for a
+migration in progress, then plans from what it left).
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ from embedding.gallery import open_store, read_meta, utc_now
 
 from .datadir import DataDir
 from .store import (
+    CARRIED_TO,
     GalleryStore,
     StoredItem,
     allocate_ids,
@@ -66,6 +80,9 @@ CREATE TABLE IF NOT EXISTS uncarried (
 # (stored items) -> (embeddings (n_ok, d) float32 of those that worked, one error per item:
 # None where it worked, else why not)
 Embed = Callable[[list[StoredItem]], tuple[np.ndarray, list[str | None]]]
+
+CATCH_UP_ROUNDS = 8  # rounds outside the old store's write lock before the last one inside it
+RELEASE_POLL_S = 0.1  # how often to look whether other processes let go of the old store
 
 
 @dataclass(frozen=True)
@@ -91,9 +108,10 @@ class Plan:
 
     @property
     def source(self) -> dict[str, str]:
-        """What identifies the old store (a half-done migration resumes only from the same)."""
+        """What identifies the old store (a half-done migration resumes only from the same
+        store; that it is the same history is checked by the token of its source_seq)."""
         m = self.old_meta
-        keys = ("model_fingerprint", "index_id", "created_at", "last_seq")
+        keys = ("model_fingerprint", "index_id", "created_at")
         return {k: m.get(k, "") for k in keys}
 
     def describe(self) -> str:
@@ -115,6 +133,7 @@ class Report:
     reembedded: bool = True
     archive: str = ""
     seconds: float = 0.0
+    caught_up: int = 0  # writes to the old store made while it was carried, carried too
 
     def to_dict(self) -> dict:
         return {
@@ -124,8 +143,100 @@ class Report:
             "renumbered": self.renumbered,
             "reembedded": self.reembedded,
             "archive": self.archive,
+            "caught_up": self.caught_up,
             "seconds": round(self.seconds, 2),
         }
+
+    @classmethod
+    def from_summary(cls, d: dict) -> Report:
+        return cls(
+            carried=int(d.get("carried", 0)),
+            uncarried=[(u["id"], u["label"], u["reason"]) for u in d.get("uncarried", [])],
+            deleted_trained=int(d.get("deleted_trained", 0)),
+            renumbered=bool(d.get("renumbered")),
+            reembedded=bool(d.get("reembedded", True)),
+            archive=str(d.get("archive", "")),
+            seconds=float(d.get("seconds", 0.0)),
+            caught_up=int(d.get("caught_up", 0)),
+        )
+
+
+# ---------------------------------------------------------------------- one at a time
+def lock_path(data: DataDir) -> Path:
+    return data.store.with_name(f".{data.store.name}.migrate.lock")
+
+
+@contextlib.contextmanager
+def exclusive(data: DataDir, waiting: Callable[[str], None] | None = None):
+    """The data dir's migration lock (an exclusive flock, across processes), held while a
+    start looks at the store and while a migration runs. A data dir that cannot be written
+    needs none (nothing can be carried there). `waiting(why)` is told when another process
+    holds it."""
+    import fcntl
+
+    try:
+        data.store.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path(data), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        if os.access(data.store.parent, os.W_OK):
+            raise
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            why = (
+                f"waiting for another process (pid {holder}) that is carrying the gallery in "
+                f"{data.store.parent} to a new model"
+            )
+            log.warning(why)
+            if waiting is not None:
+                waiting(why)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def settle(data: DataDir, waiting: Callable[[str], None] | None = None) -> Report | None:
+    """Under the lock: a store sealed by a migration whose swap did not happen (a crash, or
+    processes that kept it open) is swapped for its complete new store now; the Report of that
+    migration, else None. Needs no model: any start does it."""
+    store, new = data.store, data.migrating
+    if not store.exists() or on_read_only_fs(store):
+        return None
+    meta = _read_meta(store)
+    if CARRIED_TO not in meta:
+        return None
+    to = json.loads(meta[CARRIED_TO])
+    done = _read_meta(new) if new.exists() else {}
+    if done.get("migrated_from") is None or (
+        done.get("model_fingerprint"),
+        done.get("index_id"),
+    ) != (to.get("model_fingerprint"), to.get("index_id")):
+        raise ArtifactError(
+            f"the gallery store {store} was sealed by a migration to model "
+            f"{to.get('model_fingerprint', '?')[:19]}... whose new store {new.name} is missing "
+            "or incomplete; if that migration is abandoned, delete the 'carried_to' row of the "
+            "store's meta table to use it again"
+        )
+    log.info("finishing the swap of a migration that carried %s", store)
+    report = Report.from_summary(json.loads(done["migrated_from"]))
+    _release(store, waiting)
+    _swap(data, Path(report.archive))
+    return report
+
+
+def _read_meta(path: Path) -> dict[str, str]:
+    conn = open_store(path, readonly=True)
+    try:
+        return read_meta(conn)
+    finally:
+        conn.close()
 
 
 def plan(store: Path, target: Target) -> Plan | None:
@@ -155,7 +266,8 @@ def plan(store: Path, target: Target) -> Plan | None:
 
 
 class Migration:
-    """Runs a Plan: `run()` returns the Report once the new store is in place."""
+    """Runs a Plan: `run()` returns the Report once the new store is in place (None when
+    another process carried the store to this model meanwhile)."""
 
     def __init__(
         self,
@@ -165,6 +277,7 @@ class Migration:
         embed: Embed,
         batch: int = 64,
         progress: Callable[[int, int], None] | None = None,
+        status: Callable[[str], None] | None = None,
     ):
         self.plan = plan
         self.data = data
@@ -172,15 +285,25 @@ class Migration:
         self.embed = embed
         self.batch = batch
         self.progress = progress or (lambda done, total: None)
+        self.status = status or (lambda why: None)
 
-    def run(self) -> Report:
-        t0 = time.perf_counter()
-        p = self.plan
+    def run(self) -> Report | None:
         if not self.data.writable():
             raise ArtifactError(
-                f"the gallery store {p.old} was made for another model and must be carried to "
-                f"this one, but {p.old.parent} is not writable"
+                f"the gallery store {self.plan.old} was made for another model and must be "
+                f"carried to this one, but {self.plan.old.parent} is not writable"
             )
+        with exclusive(self.data, self.status):
+            done = settle(self.data, self.status)
+            p = plan(self.plan.old, self.plan.target)  # again: the store may have moved on
+            if p is None:
+                return done  # carried to this model already (by another process, or `done`)
+            self.plan = p
+            return self._run()
+
+    def _run(self) -> Report:
+        t0 = time.perf_counter()
+        p = self.plan
         old = GalleryStore(
             p.old, None, p.old_meta.get("model_fingerprint", ""), p.old_meta.get("index_id", "")
         )
@@ -190,21 +313,37 @@ class Migration:
             report = self._report(new)
             if new.meta().get("migrated_from") is None:
                 self._carry(old, new, report)
+            rounds = 0
+            while rounds < CATCH_UP_ROUNDS and self._catch_up(old, new, report) > 0:
+                rounds += 1  # writers on the old store meanwhile: follow them
+
+            def seal(conn, seq):
+                # the old store's write lock is held: nothing commits there until this does
+                self._catch_up(old, new, report, conn)
                 report.seconds = time.perf_counter() - t0
 
-                def finish(conn, seq):
-                    set_meta(conn, "migrated_from", json.dumps(self._summary(report)))
-                    set_meta(conn, "migrating_from", None)
+                def finish(nconn, nseq):
+                    set_meta(nconn, "migrated_from", json.dumps(self._summary(report)))
+                    set_meta(nconn, "migrating_from", None)
 
                 new.transaction(finish)
-            for s in (new, old):  # both become single files (no WAL): safe to rename
-                s.close_as_one_file()
+                target = {
+                    "model_fingerprint": p.target.fingerprint,
+                    "index_id": p.target.index_id,
+                    "at": utc_now(),
+                    "pid": os.getpid(),
+                }
+                set_meta(conn, CARRIED_TO, json.dumps(target))
+
+            old.transaction(seal, "seal")
+            new.close_as_one_file()
         finally:
             for s in (new, old):
                 if s is not None:
                     with contextlib.suppress(sqlite3.Error):
                         s.close()
-        self._swap(report)
+        _release(p.old, self.status)
+        _swap(self.data, Path(report.archive))
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -216,21 +355,30 @@ class Migration:
             try:
                 new = GalleryStore(t, self.seed, p.target.fingerprint, p.target.index_id)
                 meta = new.meta()
-                if meta.get("migrated_from") is not None or (
-                    json.loads(meta.get("migrating_from", "null")) == p.source
-                ):
+                same = json.loads(meta.get("migrating_from", "null")) == p.source or (
+                    meta.get("migrated_from") is not None
+                    and {k: json.loads(meta["migrated_from"]).get(k) for k in p.source} == p.source
+                )
+                seq = int(meta.get("source_seq", "-1"))
+                if same and seq >= 0 and old.log_token(seq) == meta.get("source_token"):
                     log.info("resuming the migration in %s", t)
                     return new
                 new.close()
+                log.warning("discarding %s: a copy of another store or of another history", t)
             except (ArtifactError, ValueError) as e:
                 log.warning("discarding %s: %s", t, e)
             for suffix in ("", "-wal", "-shm"):
                 Path(str(t) + suffix).unlink(missing_ok=True)
         new = GalleryStore(t, self.seed, p.target.fingerprint, p.target.index_id)
+        # Where the copy starts in the old store's history: every write after it is caught up
+        # later; read before the copy, so a write between the two is carried twice (harmless)
+        # rather than never.
+        source_seq = old.last_seq()
+        source_token = old.log_token(source_seq)
         first = old.added_items(-1, 1)
         next_id = int(new.meta()["next_id"])
         keep_ids = not first or first[0].id >= next_id
-        old_next = int(p.old_meta.get("next_id", "0"))
+        old_next = int(old.meta().get("next_id", "0"))
         stamp = utc_now().replace(":", "").replace("+0000", "Z")
         archive = f"gallery-{stamp}-{p.old_meta.get('model_fingerprint', 'unknown')[7:19]}.sqlite"
         gone = old.deleted_trained()
@@ -246,9 +394,10 @@ class Migration:
                 if stmt.strip():
                     conn.execute(stmt)
             set_meta(conn, "migrating_from", json.dumps(p.source))
+            set_meta(conn, "source_seq", str(source_seq))
+            set_meta(conn, "source_token", source_token)
             set_meta(conn, "carry_ids", "kept" if keep_ids else "renumbered")
             set_meta(conn, "archive", archive)
-            set_meta(conn, "deleted_trained", str(len(dead)))
             if keep_ids:  # ids are never reused: stay above every id the old store gave out
                 set_meta(conn, "next_id", str(max(next_id, old_next)))
             mark_deleted(conn, dead, seq)
@@ -260,13 +409,18 @@ class Migration:
         meta = new.meta()
         rows = new.select("SELECT old_id, label, reason FROM uncarried ORDER BY old_id")
         carried = new.select("SELECT COUNT(*) FROM carried")[0][0]
+        deleted = new.select(
+            "SELECT COUNT(*) FROM items WHERE source = 'trained' AND deleted_seq IS NOT NULL"
+        )[0][0]
+        done = json.loads(meta.get("migrated_from") or "{}")
         return Report(
             carried=int(carried),
             uncarried=[tuple(r) for r in rows],
-            deleted_trained=int(meta.get("deleted_trained", "0")),
+            deleted_trained=int(deleted),
             renumbered=meta.get("carry_ids") == "renumbered",
             reembedded=not self.plan.reuse,
             archive=str(self.data.previous / meta["archive"]),
+            caught_up=int(done.get("caught_up", 0)),
         )
 
     def _summary(self, report: Report) -> dict:
@@ -274,6 +428,8 @@ class Migration:
 
     # ------------------------------------------------------------------ carrying items
     def _carry(self, old: GalleryStore, new: GalleryStore, report: Report) -> None:
+        """The bulk copy: every live added item of the old store, in id order, a batch per
+        transaction (resumed after the last batch carried)."""
         p = self.plan
         after = new.select(
             "SELECT MAX(m) FROM (SELECT MAX(old_id) AS m FROM carried "
@@ -286,33 +442,103 @@ class Migration:
             items = old.added_items(after, self.batch)
             if not items:
                 break
-            ok, failed = self._embed(items)
-            renumber = report.renumbered
-
-            def write(conn, seq, ok=ok, failed=failed, renumber=renumber):
-                ids = allocate_ids(conn, len(ok)) if renumber else [it.id for it, _ in ok]
-                insert_items(
-                    conn,
-                    [replace(it, id=i, embedding=e) for (it, e), i in zip(ok, ids, strict=True)],
-                    seq,
-                )
-                conn.executemany(
-                    "INSERT INTO carried (old_id, new_id) VALUES (?, ?)",
-                    [(it.id, i) for (it, _), i in zip(ok, ids, strict=True)],
-                )
-                conn.executemany(
-                    "INSERT INTO uncarried (old_id, label, reason) VALUES (?, ?, ?)",
-                    failed,
-                )
-
-            new.transaction(write)
-            report.carried += len(ok)
-            report.uncarried += failed
-            for item_id, label, why in failed:
-                log.warning("item %s (%r) not carried: %s", item_id, label, why)
+            self._write(new, items, report)
             after = items[-1].id
             done += len(items)
-            self.progress(done, p.total)
+            self.progress(done, max(p.total, done))
+
+    def _catch_up(self, old: GalleryStore, new: GalleryStore, report: Report, conn=None) -> int:
+        """Carry the writes the old store committed after the new store's `source_seq`: adds
+        not carried yet, deletes of carried (or trained) items. `conn`: the old store's
+        connection inside its write transaction (the last round), else a read transaction of
+        its own. Returns the writes found."""
+        after = int(new.meta()["source_seq"])
+        if conn is None:
+            reader = old.reader()
+            try:
+                last, adds, dels, next_id = _changes(reader.conn, after)
+            finally:
+                reader.close()
+        else:
+            last, adds, dels, next_id = _changes(conn, after)
+        if last == after:
+            return 0
+        carried = dict(new.select("SELECT old_id, new_id FROM carried"))
+        uncarried = {r[0] for r in new.select("SELECT old_id FROM uncarried")}
+        adds = [it for it in adds if it.id not in carried and it.id not in uncarried]
+        for s in range(0, len(adds), self.batch):
+            self._write(new, adds[s : s + self.batch], report)
+        carried = dict(new.select("SELECT old_id, new_id FROM carried"))
+        trained = new.trained_ids_by_source() if any(d[1] == "trained" for d in dels) else {}
+        kill, forget = [], []
+        for old_id, source, md in dels:
+            if source == "added":
+                if old_id in carried:
+                    kill.append(carried[old_id])
+                else:
+                    forget.append(old_id)  # never carried (uncarried): nothing to report
+            else:
+                m = json.loads(md) if md else {}
+                new_id = trained.get((m.get("dataset"), m.get("dataset_index")))
+                if new_id is not None:
+                    kill.append(new_id)
+        keep_ids = not report.renumbered
+        token = old.log_token(last) if conn is None else _token(conn, last)
+
+        def write(nconn, seq):
+            mark_deleted(nconn, kill, seq)
+            nconn.executemany("DELETE FROM uncarried WHERE old_id = ?", [(i,) for i in forget])
+            set_meta(nconn, "source_seq", str(last))
+            set_meta(nconn, "source_token", token)
+            if keep_ids:
+                cur = int(
+                    nconn.execute("SELECT value FROM meta WHERE key = 'next_id'").fetchone()[0]
+                )
+                set_meta(nconn, "next_id", str(max(cur, next_id)))
+
+        new.transaction(write)
+        report.uncarried = [u for u in report.uncarried if u[0] not in set(forget)]
+        report.deleted_trained = int(
+            new.select(
+                "SELECT COUNT(*) FROM items WHERE source = 'trained' AND deleted_seq IS NOT NULL"
+            )[0][0]
+        )
+        report.caught_up += last - after
+        log.info(
+            "caught up with writes %d..%d of the old store: %d adds, %d deletes",
+            after + 1,
+            last,
+            len(adds),
+            len(dels),
+        )
+        return last - after
+
+    def _write(self, new: GalleryStore, items: list[StoredItem], report: Report) -> None:
+        """Embed `items` and insert them (one transaction), recording what was carried."""
+        ok, failed = self._embed(items)
+        renumber = report.renumbered
+
+        def write(conn, seq, ok=ok, failed=failed, renumber=renumber):
+            ids = allocate_ids(conn, len(ok)) if renumber else [it.id for it, _ in ok]
+            insert_items(
+                conn,
+                [replace(it, id=i, embedding=e) for (it, e), i in zip(ok, ids, strict=True)],
+                seq,
+            )
+            conn.executemany(
+                "INSERT INTO carried (old_id, new_id) VALUES (?, ?)",
+                [(it.id, i) for (it, _), i in zip(ok, ids, strict=True)],
+            )
+            conn.executemany(
+                "INSERT INTO uncarried (old_id, label, reason) VALUES (?, ?, ?)",
+                failed,
+            )
+
+        new.transaction(write)
+        report.carried += len(ok)
+        report.uncarried += failed
+        for item_id, label, why in failed:
+            log.warning("item %s (%r) not carried: %s", item_id, label, why)
 
     def _embed(
         self, items: list[StoredItem]
@@ -337,25 +563,85 @@ class Migration:
                     failed.append((it.id, it.label, f"the stored image cannot be read: {err}"))
         return ok, failed
 
-    # ------------------------------------------------------------------ the swap
-    def _swap(self, report: Report) -> None:
-        """Archive the old store (a hard link, else a copy) and rename the new one over it."""
-        old, new = self.plan.old, self.data.migrating
-        archive = Path(report.archive)
-        archive.parent.mkdir(parents=True, exist_ok=True)
-        if not archive.exists():
-            tmp = archive.with_name(archive.name + ".tmp")
-            tmp.unlink(missing_ok=True)
+
+_ITEM_COLUMNS = "id, label, source, metadata, created_at, embedding, image, image_type, thumbnail"
+
+
+def _changes(conn, after: int):
+    """What the old store committed after write `after`, read on `conn` (inside one
+    transaction): (its last seq, live added items added after it, (id, source, metadata) of
+    items deleted after it, its next_id)."""
+    meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('last_seq', 'next_id')"))
+    adds = [
+        StoredItem(*r)
+        for r in conn.execute(
+            f"SELECT {_ITEM_COLUMNS} FROM items WHERE source = 'added' AND deleted_seq IS NULL "
+            "AND add_seq > ? ORDER BY id",
+            (after,),
+        )
+    ]
+    dels = conn.execute(
+        "SELECT id, source, metadata FROM items WHERE deleted_seq > ? ORDER BY id", (after,)
+    ).fetchall()
+    return int(meta["last_seq"]), adds, dels, int(meta.get("next_id", "0"))
+
+
+def _token(conn, seq: int) -> str | None:
+    row = conn.execute("SELECT token FROM log WHERE seq = ?", (seq,)).fetchone()
+    return None if row is None else row[0]
+
+
+# ---------------------------------------------------------------------- the swap
+def _release(store: Path, waiting: Callable[[str], None] | None) -> None:
+    """Wait until no other process has the sealed old store open (the servers still serving
+    it let go once they see the seal; an old version's processes when they are stopped), then
+    merge its write-ahead log and leave WAL mode: one self-contained file, safe to rename (a
+    -wal beside another file would be read as that file's log)."""
+    told = 0.0
+    while True:
+        conn = sqlite3.connect(store, isolation_level=None)
+        try:
+            conn.execute("PRAGMA busy_timeout=1000")
+            with contextlib.suppress(sqlite3.OperationalError):
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             try:
-                os.link(old, tmp)
-            except OSError:
-                shutil.copyfile(old, tmp)
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-            os.replace(tmp, archive)
-            fsync_dir(archive.parent)
-        for suffix in ("-wal", "-shm"):  # left by no one now (both stores are single files)
-            Path(str(old) + suffix).unlink(missing_ok=True)
-        os.replace(new, old)
-        fsync_dir(old.parent)
-        shutil.rmtree(self.data.snapshot, ignore_errors=True)  # a snapshot of the old index
+                mode = conn.execute("PRAGMA journal_mode=DELETE").fetchone()[0]
+            except sqlite3.OperationalError:
+                mode = "wal"
+        finally:
+            conn.close()
+        if mode == "delete":
+            return
+        if time.monotonic() - told > 10:
+            why = (
+                f"the gallery is carried to the new model and {store.name} is sealed; waiting "
+                "for the processes that still have it open (the old model's servers) to let go "
+                "of it or stop"
+            )
+            log.warning(why)
+            if waiting is not None:
+                waiting(why)
+            told = time.monotonic()
+        time.sleep(RELEASE_POLL_S)
+
+
+def _swap(data: DataDir, archive: Path) -> None:
+    """Archive the old store (a hard link, else a copy) and rename the new one over it."""
+    old, new = data.store, data.migrating
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    if not archive.exists():
+        tmp = archive.with_name(archive.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(old, tmp)
+        except OSError:
+            shutil.copyfile(old, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, archive)
+        fsync_dir(archive.parent)
+    for suffix in ("-wal", "-shm"):  # left by no one now (both stores are single files)
+        Path(str(old) + suffix).unlink(missing_ok=True)
+    os.replace(new, old)
+    fsync_dir(old.parent)
+    shutil.rmtree(data.snapshot, ignore_errors=True)  # a snapshot of the old index

@@ -19,17 +19,25 @@ PROBLEM = {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
 EVERY_ROUTE = {
     "400": "malformed request, or a Host header this server does not answer to",
     "422": "invalid or unknown query parameter",
-    "503": f"not ready, or {MIN_VERSION_HEADER} not applied within SNCA_MIN_VERSION_WAIT_S",
+    "503": "not ready",
 }
 
-# Read-your-writes across replicas (deps.wait_for_version), taken by every route.
+# Read-your-writes across replicas (deps.wait_for_version), taken by every route that reads
+# or writes the gallery (not by the public health, readiness and metrics routes).
 MIN_VERSION = {
     "name": MIN_VERSION_HEADER,
     "in": "header",
     "required": False,
     "description": "answer only once this process has applied this write (a gallery_version "
-    "another answer carried); waits at most SNCA_MIN_VERSION_WAIT_S, then 503",
+    "another answer carried); waits at most SNCA_MIN_VERSION_WAIT_S, then 503; a version the "
+    "store has not reached is 422 at once; too many waiting at once is 429",
     "schema": {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
+}
+WITH_MIN_VERSION = {
+    "422": "invalid or unknown query parameter, or an X-Min-Gallery-Version no write has",
+    "429": "too many requests wait for an X-Min-Gallery-Version (SNCA_MAX_PARKED_PER_CLIENT, "
+    "SNCA_MAX_PARKED)",
+    "503": f"not ready, or {MIN_VERSION_HEADER} not applied within SNCA_MIN_VERSION_WAIT_S",
 }
 
 
@@ -67,7 +75,10 @@ def build(app: FastAPI, settings: Settings) -> dict:
                 responses.setdefault("403", {"description": "a write from another web origin"})
             for code, desc in EVERY_ROUTE.items():
                 responses.setdefault(code, {"description": desc})
-            op.setdefault("parameters", []).append(MIN_VERSION)
+            if level != "public":
+                for code, desc in WITH_MIN_VERSION.items():
+                    responses.setdefault(code, {"description": desc})
+                op.setdefault("parameters", []).append(MIN_VERSION)
             for code, r in responses.items():
                 own = r.get("content", {}).get("application/json")
                 if code[0] in "45" and not (own is not None and not own.get("schema")):

@@ -26,19 +26,22 @@ import json
 import logging
 import sqlite3
 import threading
+import time
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import numpy as np
 
 from embedding.errors import ArtifactError
-from embedding.gallery import STORE_SCHEMA_VERSION, utc_now
+from embedding.gallery import STORE_SCHEMA_VERSION, new_token, utc_now
 
 from .store import (
     ChangeSet,
     Item,
     ItemRow,
+    NothingChanged,
     StoredItem,
+    StoreReader,
     StoreUnavailable,
     _vec,
     changes_from_rows,
@@ -73,9 +76,12 @@ CREATE TABLE log (
     seq   BIGINT  PRIMARY KEY,
     op    TEXT    NOT NULL,
     items INTEGER NOT NULL,
-    at    TEXT    NOT NULL
+    at    TEXT    NOT NULL,
+    token TEXT
 );
 """
+# Schema upgrades of an existing database, from the version in meta (run under SEED_LOCK).
+_UPGRADES = {"3": ["ALTER TABLE log ADD COLUMN IF NOT EXISTS token TEXT"]}
 
 _COLUMNS = "id, label, source, metadata, created_at, embedding, image, image_type, thumbnail"
 
@@ -84,14 +90,54 @@ def is_postgres_url(s: str | Path | None) -> bool:
     return s is not None and str(s).startswith(("postgresql://", "postgres://"))
 
 
+def _secret(name: str) -> bool:
+    """A connection parameter whose value is a secret (password, sslpassword, ...)."""
+    return "pass" in name.lower()
+
+
 def redact(url: str) -> str:
-    """The URL without its password (for logs and /readyz)."""
-    u = urlsplit(url)
-    if u.password is None:
-        return url
-    host = u.hostname or ""
-    netloc = f"{u.username}:***@{host}" + (f":{u.port}" if u.port else "")
-    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+    """The URL without any secret (for logs, errors and /readyz): the password of its user
+    part and of every query parameter that carries one (`?password=`, `?sslpassword=`, which
+    libpq accepts too) become ***; a URL that cannot be parsed is shown as its scheme only."""
+    try:
+        u = urlsplit(url)
+        host = u.hostname or ""
+        port = f":{u.port}" if u.port else ""
+    except ValueError:
+        return url.split("://", 1)[0] + "://***"
+    netloc = u.netloc
+    if u.password is not None:
+        netloc = f"{u.username}:***@" + (f"[{host}]" if ":" in host else host) + port
+    query = "&".join(
+        f"{k}={'***' if _secret(k) else v}" for k, v in parse_qsl(u.query, keep_blank_values=True)
+    )
+    return urlunsplit((u.scheme, netloc, u.path, query, u.fragment))
+
+
+def secrets(url: str) -> list[str]:
+    """Every secret in a URL as it may be echoed back (raw and percent-decoded)."""
+    out = []
+    try:
+        u = urlsplit(url)
+        if u.password:
+            out += [u.password, unquote(u.password)]
+        out += [v for k, v in parse_qsl(u.query, keep_blank_values=True) if _secret(k) and v]
+        out += [
+            m.split("=", 1)[1]
+            for m in u.query.split("&")
+            if "=" in m and _secret(m.split("=", 1)[0]) and m.split("=", 1)[1]
+        ]
+    except ValueError:
+        pass
+    return sorted({x for x in out if x}, key=len, reverse=True)
+
+
+def scrub(text: str, url: str) -> str:
+    """`text` (a driver's error message, say) with the URL and every secret in it hidden."""
+    text = text.replace(url, redact(url))
+    for x in secrets(url):
+        text = text.replace(x, "***")
+    return text
 
 
 def _driver():
@@ -118,8 +164,10 @@ class PostgresStore:
         self._conn = None
         self._follow_lock = threading.Lock()
         self._listen = None
+        self._closing = False
         try:
             self._seed_once(seed)
+            self._upgrade()
             meta = self.meta()
         except StoreUnavailable as e:
             raise ArtifactError(f"cannot use the gallery store {self.url}: {e}") from None
@@ -156,7 +204,7 @@ class PostgresStore:
             )
         except self.psycopg.Error as e:
             raise StoreUnavailable(
-                f"cannot reach the gallery store {self.url}: {_one_line(e)}"
+                f"cannot reach the gallery store {self.url}: {self._say(e)}"
             ) from None
 
     def _run(self, fn):
@@ -171,11 +219,11 @@ class PostgresStore:
             except self.psycopg.OperationalError as e:
                 self._drop()
                 raise StoreUnavailable(
-                    f"the gallery store {self.url} failed: {_one_line(e)}"
+                    f"the gallery store {self.url} failed: {self._say(e)}"
                 ) from None
             except self.psycopg.Error as e:
                 raise StoreUnavailable(
-                    f"the gallery store {self.url} failed: {_one_line(e)}"
+                    f"the gallery store {self.url} failed: {self._say(e)}"
                 ) from None
 
     def _drop(self) -> None:
@@ -203,6 +251,47 @@ class PostgresStore:
             return True
 
         self._run(fn)
+
+    def _say(self, e: Exception) -> str:
+        """A driver error in one line, without the URL's secrets (some echo the URL)."""
+        return scrub(_one_line(e), self._dsn)
+
+    def _upgrade(self) -> None:
+        """Bring a database written by an older version to this schema (once, under the seed
+        lock: replicas starting together upgrade it one at a time)."""
+
+        def fn(conn):
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (SEED_LOCK,))
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            version = row[0] if row else None
+            while version in _UPGRADES:
+                for stmt in _UPGRADES[version]:
+                    conn.execute(stmt)
+                version = str(int(version) + 1)
+                conn.execute("UPDATE meta SET value = %s WHERE key = 'schema_version'", (version,))
+
+        self._run(fn)
+
+    def retire(self, why: str) -> None:  # pragma: no cover - no migration on PostgreSQL yet
+        self.close()
+
+    def log_token(self, seq: int) -> str | None:
+        row = self._run(
+            lambda c: c.execute("SELECT token FROM log WHERE seq = %s", (int(seq),)).fetchone()
+        )
+        return None if row is None else row[0]
+
+    def reader(self) -> StoreReader:
+        """GalleryStore.reader: one REPEATABLE READ, READ ONLY transaction on its own
+        connection."""
+        conn = self._connect(autocommit=True)
+        try:
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            conn.execute("SELECT 1 FROM meta LIMIT 1").fetchone()  # the snapshot starts here
+        except self.psycopg.Error as e:
+            conn.close()
+            raise StoreUnavailable(f"the gallery store {self.url} failed: {self._say(e)}") from None
+        return StoreReader(conn, "%s")
 
     # ------------------------------------------------------------------ reads
     def meta(self) -> dict[str, str]:
@@ -309,7 +398,7 @@ class PostgresStore:
                     self._listen.close()
                     self._listen = None
                 raise StoreUnavailable(
-                    f"the gallery store {self.url} failed: {_one_line(e)}"
+                    f"the gallery store {self.url} failed: {self._say(e)}"
                 ) from None
 
     def head(self) -> int:
@@ -324,8 +413,11 @@ class PostgresStore:
             h = int(conn.execute("SELECT value FROM meta WHERE key = 'last_seq'").fetchone()[0])
             if h > after:
                 return h
-            for note in conn.notifies(timeout=timeout, stop_after=1):
-                del note  # the seq it carries is re-read below (several may have come)
+            # in slices of at most a second, so that close() never waits a whole long poll
+            end = time.monotonic() + timeout
+            while not self._closing and (left := end - time.monotonic()) > 0:
+                if list(conn.notifies(timeout=min(left, 1.0), stop_after=1)):
+                    break  # (the seq it carries is re-read below: several may have come)
             return int(conn.execute("SELECT value FROM meta WHERE key = 'last_seq'").fetchone()[0])
 
         return self._follow(fn)
@@ -371,7 +463,7 @@ class PostgresStore:
             n = c.execute(
                 "DELETE FROM items WHERE source = 'added' AND deleted_seq <= %s", (upto,)
             ).rowcount
-            c.execute("DELETE FROM log WHERE seq <= %s", (upto,))
+            c.execute("DELETE FROM log WHERE seq < %s", (upto,))
             c.execute(
                 "UPDATE meta SET value = GREATEST(value::bigint, %s)::text WHERE key = 'log_floor'",
                 (upto,),
@@ -385,7 +477,8 @@ class PostgresStore:
         return None  # known only by trying: a failed write raises StoreUnavailable
 
     def transaction(self, fn, op: str = "migrate", count=lambda result: 0):
-        """fn(conn, seq) with the next seq, its log row and a NOTIFY, in one transaction."""
+        """fn(conn, seq) with the next seq, its log row (a new token) and a NOTIFY, in one
+        transaction; fn raising NothingChanged(result) rolls back: (0, result)."""
 
         def run(conn):
             seq = (
@@ -399,13 +492,16 @@ class PostgresStore:
             result = fn(conn, seq)
             conn.execute("UPDATE meta SET value = %s WHERE key = 'last_seq'", (str(seq),))
             conn.execute(
-                "INSERT INTO log (seq, op, items, at) VALUES (%s, %s, %s, %s)",
-                (seq, op, int(count(result)), utc_now()),
+                "INSERT INTO log (seq, op, items, at, token) VALUES (%s, %s, %s, %s, %s)",
+                (seq, op, int(count(result)), utc_now(), new_token()),
             )
             conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, str(seq)))
             return seq, result
 
-        return self._run(run)
+        try:
+            return self._run(run)
+        except NothingChanged as e:  # (the transaction block rolled back)
+            return 0, e.args[0] if e.args else None
 
     def add(
         self,
@@ -438,18 +534,29 @@ class PostgresStore:
 
         return self.transaction(fn, "add", len)
 
-    def delete(self, ids: list[int]) -> tuple[int, list[tuple[int, str, np.ndarray, str]]]:
+    def delete(
+        self, ids: list[int] | None = None, label: str | None = None
+    ) -> tuple[int, list[tuple[int, str, np.ndarray, str]]]:
+        """GalleryStore.delete: the live items among `ids`, or of `label`, as stored now."""
+
         def fn(conn, seq):
+            if label is not None:
+                where, arg = "label = %s", label
+            else:
+                where, arg = "id = ANY(%s)", [int(i) for i in ids or []]
             rows = conn.execute(
-                "UPDATE items SET deleted_seq = %s WHERE deleted_seq IS NULL AND id = ANY(%s) "
+                f"UPDATE items SET deleted_seq = %s WHERE deleted_seq IS NULL AND {where} "
                 "RETURNING id, label, embedding, source",
-                (seq, [int(i) for i in ids]),
+                (seq, arg),
             ).fetchall()
+            if not rows:
+                raise NothingChanged([])
             return [(r[0], r[1], _vec(bytes(r[2])), r[3]) for r in sorted(rows)]
 
         return self.transaction(fn, "delete", len)
 
     def close(self) -> None:
+        self._closing = True
         with self._lock:
             self._drop()
         with self._follow_lock:

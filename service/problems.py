@@ -49,9 +49,16 @@ CODES = {
     "method_not_allowed": "the route does not take this method",
     "request_timeout": "the request's headers or body arrived too slowly",
     "not_ready": "starting, migrating the gallery, or stopping",
-    "store_unavailable": "the gallery store cannot be reached or written; nothing was changed",
+    "store_unavailable": "the gallery store cannot be reached or written (or was carried to a "
+    "new model by another process); nothing was changed",
     "version_not_applied": "this replica has not applied the X-Min-Gallery-Version write within "
     "SNCA_MIN_VERSION_WAIT_S (retry, or ask another replica)",
+    "version_unknown": "X-Min-Gallery-Version names a write the gallery store has not made yet",
+    "too_many_waiting": "too many requests wait for an X-Min-Gallery-Version (per client or in "
+    "all: SNCA_MAX_PARKED_PER_CLIENT, SNCA_MAX_PARKED); retry after Retry-After",
+    "client_gone": "the client closed the connection while its request waited (logged only)",
+    "too_busy": "too many requests of this kind run at once (the detail says which bound); "
+    "retry after Retry-After",
     "header_invalid": "a request header the service reads has an invalid value",
     "snapshot_failed": "the index snapshot could not be written",
     "too_many_connections": "the server holds SNCA_MAX_CONNECTIONS connections",
@@ -85,10 +92,17 @@ class Problem(Exception):
         self.headers = headers
 
 
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:  # 499: nginx's "client closed request", never seen by the client
+        return "Client Closed Request" if status == 499 else "Error"
+
+
 def body(status: int, code: str, detail: str) -> dict:
     return {
         "type": "about:blank",
-        "title": HTTPStatus(status).phrase,
+        "title": _phrase(status),
         "status": status,
         "detail": detail,
         "code": code,

@@ -1,8 +1,10 @@
 """Index snapshots: the in-memory FAISS index written atomically with the last store write it
 contains, so start-up replays only the writes after it.
 
-    <data dir>/snapshot/index.faiss + snapshot.json (seq, tombstones, fingerprint, index_id,
-    sha256). A snapshot that is missing, corrupt or for another model/index is ignored: the
+    <data dir>/snapshot/index.faiss + snapshot.json (seq, the token of write seq, tombstones,
+    fingerprint, index_id, sha256). A snapshot that is missing, corrupt, for another
+    model/index, or of another history of the store (the store's write at seq has another
+    token: e.g. the store was restored from a backup and written past it) is ignored: the
     service then starts from the built index and replays every write (documented fallback).
 
 One snapshot at a time per data dir: threads of a process take the Snapshotter's lock, and
@@ -49,10 +51,12 @@ def write_snapshot(
     tombstones: set[int],
     fingerprint: str,
     index_id: str,
+    token: str | None = None,
 ) -> Path:
-    """blob: faiss.serialize_index output. Written under a temp name, then swapped in."""
+    """blob: faiss.serialize_index output; `token` the store's token of write `seq`. Written
+    under a temp name, then swapped in."""
     with data_dir_lock(data_dir):
-        return _write(Path(data_dir), blob, seq, tombstones, fingerprint, index_id)
+        return _write(Path(data_dir), blob, seq, tombstones, fingerprint, index_id, token)
 
 
 @contextlib.contextmanager
@@ -93,7 +97,7 @@ def remove_leftovers(data_dir: Path) -> list[str]:
     return done
 
 
-def _write(data_dir, blob, seq, tombstones, fingerprint, index_id) -> Path:
+def _write(data_dir, blob, seq, tombstones, fingerprint, index_id, token) -> Path:
     out = data_dir / SNAPSHOT_DIR
     stage = out.with_name(f".{SNAPSHOT_DIR}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
     stage.mkdir(parents=True)
@@ -104,6 +108,7 @@ def _write(data_dir, blob, seq, tombstones, fingerprint, index_id) -> Path:
             stage / "snapshot.json",
             {
                 "seq": seq,
+                "token": token,
                 "tombstones": sorted(tombstones),
                 "model_fingerprint": fingerprint,
                 "index_id": index_id,
@@ -118,15 +123,24 @@ def _write(data_dir, blob, seq, tombstones, fingerprint, index_id) -> Path:
     return out
 
 
-def load_snapshot(data_dir: Path, fingerprint: str, index_id: str, max_seq: int) -> Snapshot | None:
-    """The data dir's snapshot if it is usable (after removing what a crash left behind)."""
+def load_snapshot(
+    data_dir: Path,
+    fingerprint: str,
+    index_id: str,
+    max_seq: int,
+    token_at: Callable[[int], str | None] = lambda seq: None,
+) -> Snapshot | None:
+    """The data dir's snapshot if it is usable (after removing what a crash left behind);
+    `token_at(seq)`: the store's token of write seq, which the snapshot's must equal."""
     for what in remove_leftovers(data_dir):
         log.warning("snapshot leftovers: %s", what)
     with data_dir_lock(data_dir):
-        return _load(Path(data_dir), fingerprint, index_id, max_seq)
+        return _load(Path(data_dir), fingerprint, index_id, max_seq, token_at)
 
 
-def _load(data_dir: Path, fingerprint: str, index_id: str, max_seq: int) -> Snapshot | None:
+def _load(
+    data_dir: Path, fingerprint: str, index_id: str, max_seq: int, token_at
+) -> Snapshot | None:
     d = data_dir / SNAPSHOT_DIR
     if not (d / "snapshot.json").is_file():
         return None
@@ -138,6 +152,18 @@ def _load(data_dir: Path, fingerprint: str, index_id: str, max_seq: int) -> Snap
         if int(meta["seq"]) > max_seq:
             log.warning(
                 "ignoring snapshot %s: newer (seq %s) than the store (%s)", d, meta["seq"], max_seq
+            )
+            return None
+        seq = int(meta["seq"])
+        if seq > 0 and (meta.get("token") is None or meta.get("token") != token_at(seq)):
+            # written before tokens, or of another history of the store: the writes it holds
+            # up to seq are not (all) the store's; replaying from the built index is always right
+            log.warning(
+                "ignoring snapshot %s: its write %d is not the store's write %d (the store was "
+                "restored or replaced since, or the snapshot predates write tokens)",
+                d,
+                seq,
+                seq,
             )
             return None
         if sha256_file(d / "index.faiss") != meta.get("sha256"):

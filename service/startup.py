@@ -32,7 +32,7 @@ from .config import Settings
 from .datadir import DataDir
 from .gallery import Gallery, VectorIndex
 from .metrics import Metrics
-from .migration import Migration, Plan, Report, Target, plan
+from .migration import Migration, Plan, Report, Target, exclusive, plan, settle
 from .runtime import ModelRuntime
 from .snapshot import load_snapshot
 from .state import ServiceState
@@ -73,7 +73,13 @@ def open_service(settings: Settings, metrics: Metrics) -> Opening:
             adopted = data.adopt_legacy_store(settings.model)
         target = Target(model.fingerprint, ix.manifest.index_id, space, ix.dim)
         # (a PostgreSQL store is checked when opened: carrying it to a new model is refused)
-        p = plan(data.store, target) if settings.store_url is None and data.store.exists() else None
+        p = None
+        if settings.store_url is None and data.store.exists():
+            # under the data dir's migration lock: wait for one in progress elsewhere, finish
+            # the swap of one that was sealed but not swapped, then look at what is there
+            with exclusive(data):
+                settle(data)
+                p = plan(data.store, target)
         if p is not None and not data.writable():
             raise ArtifactError(
                 f"the gallery store {data.store} was made for another model and must be "
@@ -98,12 +104,13 @@ def finish_service(
     settings: Settings,
     metrics: Metrics,
     progress: Callable[[int, int], None] | None = None,
+    status: Callable[[str], None] | None = None,
 ) -> ServiceState:
     """Carry the gallery if the plan says so, then load it; the ready ServiceState."""
     t0 = time.perf_counter()
     report = None
     if o.plan is not None:
-        report = _migrate(o, settings, progress)
+        report = _migrate(o, settings, progress, status)
     ix, data = o.index, o.data
     store = open_gallery_store(settings, ix.store, o.fingerprint, ix.manifest.index_id)
     try:
@@ -180,7 +187,11 @@ def load_gallery(store, built, manifest, fingerprint: str, data: DataDir, snapsh
     compacted, so it can always be brought up to date."""
     meta = store.meta()
     last_seq, floor = int(meta["last_seq"]), int(meta.get("log_floor", 0))
-    snap = load_snapshot(data.path, fingerprint, manifest.index_id, last_seq) if snapshot else None
+    snap = (
+        load_snapshot(data.path, fingerprint, manifest.index_id, last_seq, store.log_token)
+        if snapshot
+        else None
+    )
     if snap is not None and 0 < snap.seq < floor:
         log.warning("ignoring the snapshot at write %d: the log starts after %d", snap.seq, floor)
         snap = None
@@ -201,7 +212,7 @@ def load_gallery(store, built, manifest, fingerprint: str, data: DataDir, snapsh
     return Loaded(vectors, items, last_seq, base_seq, len(replay_add), len(replay_del))
 
 
-def _migrate(o: Opening, settings: Settings, progress) -> Report:
+def _migrate(o: Opening, settings: Settings, progress, status=None) -> Report | None:
     p = o.plan
     log.info(p.describe(), extra={"fields": {"total": p.total, "with_image": p.with_image}})
     bar = Progress(p.total, "migrating the gallery", "items", write=log.info)
@@ -220,9 +231,13 @@ def _migrate(o: Opening, settings: Settings, progress) -> Report:
         lambda items: o.runtime.embed_stored([it.image for it in items]),
         settings.migration_batch,
         report,
+        status,
     )
     with bar:
         r = m.run()
+    if r is None:
+        log.info("the gallery was carried to this model by another process meanwhile")
+        return None
     fields = {k: v for k, v in r.to_dict().items() if k != "uncarried"}
     fields["uncarried_ids"] = [i for i, _, _ in r.uncarried]
     log.info("gallery carried to the new model", extra={"fields": fields})
@@ -247,6 +262,7 @@ class ServiceHost:
         self.state: ServiceState | None = None
         self.phase = "starting"  # starting | migrating | ready | failed | stopping
         self.progress = (0, 0)  # migration: (items done, items to carry)
+        self.waiting: str | None = None  # migration: what it waits for (other processes)
         self.error: str | None = None
         self.on_failure: Callable[[], None] | None = None  # snca-serve: stop the server
         self._thread: threading.Thread | None = None
@@ -266,7 +282,7 @@ class ServiceHost:
             self.phase = "migrating"
             self.progress = (0, o.plan.total)
         try:
-            self.state = finish_service(o, self.settings, self.metrics, self._report)
+            self.state = finish_service(o, self.settings, self.metrics, self._report, self._waiting)
         except BaseException:
             o.runtime.close()
             raise
@@ -293,11 +309,15 @@ class ServiceHost:
     def _report(self, done: int, total: int) -> None:
         self.progress = (done, total)
 
+    def _waiting(self, why: str) -> None:
+        self.waiting = why
+
     def status(self) -> str:
         """One line for /readyz and the 503s of the other routes while not ready."""
         if self.phase == "migrating":
             done, total = self.progress
-            return f"migrating the gallery to the new model: {done} of {total} added items"
+            line = f"migrating the gallery to the new model: {done} of {total} added items"
+            return line + (f"; {self.waiting}" if self.waiting else "")
         if self.phase == "failed":
             return f"start-up failed: {self.error}"
         return "the service is not ready yet" if self.phase != "stopping" else "shutting down"

@@ -18,14 +18,23 @@ import numpy as np
 
 from embedding.index import IndexManifest
 
+from .cache import Recent
 from .config import Settings
 from .datadir import DataDir
 from .gallery import Gallery
+from .gate import Gate
 from .metrics import Metrics
 from .migration import Report
 from .runtime import ModelRuntime
 from .snapshot import Snapshotter, write_snapshot
-from .store import ChangeSet, GalleryStore, StoreUnavailable
+from .store import (
+    ChangeSet,
+    GalleryStore,
+    StoreCarriedAway,
+    StoreUnavailable,
+    carried_away_message,
+)
+from .waits import VersionWaits
 
 log = logging.getLogger("snca.service")
 
@@ -60,9 +69,20 @@ class ServiceState:
         self.last_write_error: str | None = None
         self.follow_error: str | None = None  # why the log cannot be read now (store down)
         self.rebuilds = 0  # times this replica rebuilt from the store (log truncated past it)
+        self.carried_away: str | None = None  # the store was carried to another model
         self._rebuild = rebuild  # () -> (VectorIndex, items, version): the start-up load again
         self._closed = False
         self.started = time.time()
+        self.waits = VersionWaits(
+            settings.max_parked, settings.max_parked_per_client, metrics.parked
+        )
+        # GET /gallery/diagnostics: 0.25-0.4 s of CPU each (a label's sample of <= 200 items),
+        # so a bounded number at once, and the same answer again until the gallery changes
+        self.diagnostics_gate = Gate(
+            "label diagnostics", settings.diagnostics_concurrency, settings.diagnostics_queue
+        )
+        self.diagnostics_cache = Recent(64)
+        gallery.on_version = self.waits.notify
         self.update_gauges()
         self._poll_s = settings.follow_poll_s or store.default_poll_s
         self._follower = threading.Thread(target=self._follow, name="snca-follow", daemon=True)
@@ -75,6 +95,9 @@ class ServiceState:
         with self.write_lock:
             try:
                 seq, ids = self.store.add(label, emb, metadata, images, thumbnails)
+            except StoreCarriedAway as e:
+                self._retire(str(e))
+                raise
             except StoreUnavailable as e:
                 self.last_write_error = str(e)
                 raise
@@ -86,14 +109,22 @@ class ServiceState:
                 self._catch_up_locked()
             return ids, seq
 
-    def delete(self, ids: list[int]) -> tuple[list, int]:
+    def delete(self, ids: list[int] | None = None, label: str | None = None) -> tuple[list, int]:
+        """Delete the live items among `ids` (or of `label`) as the store has them, not as this
+        replica remembers them: an item added on another replica a moment ago is found even
+        before this one applied it. ([], version) when none was live."""
         with self.write_lock:
             try:
-                seq, rows = self.store.delete(ids)
+                seq, rows = self.store.delete(ids, label)
+            except StoreCarriedAway as e:
+                self._retire(str(e))
+                raise
             except StoreUnavailable as e:
                 self.last_write_error = str(e)
                 raise
             self.last_write_error = self.follow_error = None  # the store works again
+            if not seq:  # nothing was live: nothing written
+                return [], self.gallery.version
             if self.gallery.version == seq - 1:
                 self.gallery.apply_delete(rows, seq)
                 self._after_write()
@@ -110,6 +141,9 @@ class ServiceState:
     def _catch_up_locked(self) -> int:
         g = self.gallery
         cs: ChangeSet = self.store.changes_after(g.version)
+        if cs.carried_to is not None:
+            self._retire(carried_away_message(cs.carried_to))
+            raise StoreCarriedAway(self.carried_away)
         if cs.floor > g.version > 0:
             self._rebuild_locked(cs.floor)
             return g.version
@@ -124,6 +158,15 @@ class ServiceState:
         # writes that changed no item (a delete of ids already gone) move the version too
         g.version = max(g.version, cs.last_seq)
         return g.version
+
+    def _retire(self, why: str) -> None:
+        """The store was carried to another model (sealed by the migration of a process that
+        serves it): stop following and writing it, and let go of its file so that migration
+        can put the new store in its place. Reads go on from memory; /readyz says why."""
+        if self.carried_away is None:
+            self.carried_away = why
+            log.warning(why)
+        self.store.retire(why)
 
     def _rebuild_locked(self, floor: int) -> None:
         """The log no longer reaches back to this replica's version (compacted past it): load
@@ -143,7 +186,7 @@ class ServiceState:
 
     def _follow(self) -> None:
         """The follower thread: wait for the store's head to move, then catch up."""
-        while not self._closed:
+        while not self._closed and self.carried_away is None:
             try:
                 head = self.store.wait_head(self.gallery.version, self._poll_s)
                 if head > self.gallery.version and not self._closed:
@@ -152,6 +195,8 @@ class ServiceState:
                     log.info("following the gallery store again")
                     self.follow_error = self.last_write_error = None
             except StoreUnavailable as e:
+                if self.carried_away is not None:
+                    return  # for good: this process must be restarted with the new model
                 if self.follow_error is None:
                     log.warning("cannot follow the gallery store: %s", e)
                 self.follow_error = str(e)
@@ -180,8 +225,9 @@ class ServiceState:
             blob, tombstones = self.gallery.vectors.serialize()
             seq = self.gallery.version
             self.writes_since_snapshot = 0
+        token = self.store.log_token(seq) if seq else None  # (log rows never change)
         path = write_snapshot(
-            self.data.path, blob, seq, tombstones, self.fingerprint, self.index_id
+            self.data.path, blob, seq, tombstones, self.fingerprint, self.index_id, token
         )
         log.info("snapshot written", extra={"fields": {"seq": seq, "path": str(path)}})
         return seq, path
@@ -194,7 +240,8 @@ class ServiceState:
 
     def store_writable(self) -> bool:
         return (
-            self.last_write_error is None
+            self.carried_away is None
+            and self.last_write_error is None
             and self.follow_error is None
             and self.store.unwritable() is None
         )
@@ -202,7 +249,8 @@ class ServiceState:
     def store_problem(self) -> str | None:
         """Why the store cannot be written or followed now (None: it can)."""
         return (
-            self.last_write_error
+            self.carried_away
+            or self.last_write_error
             or self.follow_error
             or self.store.read_only
             or self.store.unwritable()

@@ -27,11 +27,45 @@ import numpy as np
 
 from embedding.artifacts import fsync_dir
 from embedding.errors import ArtifactError
-from embedding.gallery import STORE_SCHEMA_VERSION, migrate_store, open_store, read_meta, utc_now
+from embedding.gallery import (
+    STORE_SCHEMA_VERSION,
+    migrate_store,
+    new_token,
+    open_store,
+    read_meta,
+    utc_now,
+)
 
 
 class StoreUnavailable(Exception):
     """The store cannot be written (disk full, read-only, I/O error): answer 503, keep serving."""
+
+
+class StoreCarriedAway(StoreUnavailable):
+    """The store was carried to another model (service/migration.py sealed it): this process
+    serves a model whose gallery lives elsewhere now and must be restarted with the new one."""
+
+
+# meta key set on a store that a migration carried to a new model, in the same transaction as
+# its last write: every later write on it is refused (JSON: fingerprint, index_id, at)
+CARRIED_TO = "carried_to"
+
+
+def carried_away_message(value: str) -> str:
+    try:
+        to = json.loads(value)
+        what = f"model {to.get('model_fingerprint', '?')[:19]}... (index {to.get('index_id')})"
+    except (ValueError, AttributeError):
+        what = "another model"
+    return (
+        f"the gallery was carried to {what} by another process; this process serves the model "
+        "it had before and can no longer write it: restart it with the new model"
+    )
+
+
+class NothingChanged(Exception):
+    """Raised inside a write transaction that turned out to change nothing: rolled back, no
+    seq taken (a delete of ids that are not live)."""
 
 
 @dataclass
@@ -87,11 +121,13 @@ class Change:
 @dataclass
 class ChangeSet:
     """The writes after a version, read in one transaction: `last_seq` the store's version then,
-    `floor` the log's floor (a follower below it cannot be brought up to date from the log)."""
+    `floor` the log's floor (a follower below it cannot be brought up to date from the log),
+    `carried_to` set when the store was carried to another model (CARRIED_TO)."""
 
     last_seq: int
     floor: int
     changes: list[Change]
+    carried_to: str | None = None
 
 
 def changes_from_rows(rows, after: int) -> list[Change]:
@@ -179,6 +215,7 @@ class GalleryStore:
         self.url = str(self.path)
         # None while writable; else why not (read-only filesystem): reads go on, writes get 503
         self.read_only: str | None = None
+        self.retired: str | None = None  # set by retire(): every later call raises
         if self._on_read_only_fs():
             self.conn = self._open_read_only()
         else:
@@ -217,7 +254,7 @@ class GalleryStore:
     def _open_read_only(self) -> sqlite3.Connection:
         conn = open_unwritable(self.path, shared=True)
         version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        if version[0] != str(STORE_SCHEMA_VERSION):
+        if version[0] not in ("3", str(STORE_SCHEMA_VERSION)):  # 3: the log without tokens
             conn.close()
             raise ArtifactError(
                 f"gallery store {self.path} has schema {version[0]} and is read-only, so it "
@@ -273,7 +310,36 @@ class GalleryStore:
     # ------------------------------------------------------------------ reads
     def meta(self) -> dict[str, str]:
         with self._lock:
+            self._check_retired()
             return read_meta(self.conn)
+
+    def _check_retired(self) -> None:
+        if self.retired is not None:
+            raise StoreCarriedAway(self.retired)
+
+    def retire(self, why: str) -> None:
+        """Let go of the store for good (it was carried to another model): close every
+        connection, so the migration that carried it can take the file; later calls raise
+        StoreCarriedAway(why)."""
+        with self._lock, self._follow_lock:
+            self.retired = why
+            if self._follow_conn is not None:
+                self._follow_conn.close()
+                self._follow_conn = None
+            with contextlib.suppress(sqlite3.Error):
+                self.conn.close()
+
+    def log_token(self, seq: int) -> str | None:
+        """The token of write `seq` (None: no such log row, or written before tokens)."""
+        with self._lock:
+            self._check_retired()
+            try:
+                row = self.conn.execute(
+                    "SELECT token FROM log WHERE seq = ?", (int(seq),)
+                ).fetchone()
+            except sqlite3.OperationalError:  # a read-only store of schema 3: no token column
+                return None
+        return None if row is None else row[0]
 
     def last_seq(self) -> int:
         return int(self.meta()["last_seq"])
@@ -303,6 +369,7 @@ class GalleryStore:
         """The last committed write (what a follower polls: one indexed row)."""
         self._check_readable()
         with self._follow_lock:
+            self._check_retired()
             try:
                 return int(
                     self._reader()
@@ -326,13 +393,15 @@ class GalleryStore:
         """Every write after `after`, in seq order, read in one transaction."""
         self._check_readable()
         with self._follow_lock:
+            self._check_retired()
             conn = self._reader()
             try:
                 conn.execute("BEGIN")
                 try:
                     meta = dict(
                         conn.execute(
-                            "SELECT key, value FROM meta WHERE key IN ('last_seq', 'log_floor')"
+                            "SELECT key, value FROM meta WHERE key IN ('last_seq', 'log_floor', ?)",
+                            (CARRIED_TO,),
                         )
                     )
                     rows = conn.execute(
@@ -343,30 +412,36 @@ class GalleryStore:
             except sqlite3.DatabaseError as e:
                 raise StoreUnavailable(f"the gallery store cannot be read: {e}") from None
         return ChangeSet(
-            int(meta["last_seq"]), int(meta.get("log_floor", 0)), changes_from_rows(rows, after)
+            int(meta["last_seq"]),
+            int(meta.get("log_floor", 0)),
+            changes_from_rows(rows, after),
+            meta.get(CARRIED_TO),
         )
 
     def log_gaps(self) -> tuple[int, int, list[int]]:
         """(floor, last_seq, the seqs in (floor, last_seq] that have no log row): the check
         that the log is gap-free."""
         with self._lock:
+            self._check_retired()
             meta = read_meta(self.conn)
             have = {r[0] for r in self.conn.execute("SELECT seq FROM log")}
         floor, last = int(meta.get("log_floor", 0)), int(meta["last_seq"])
         return floor, last, [s for s in range(floor + 1, last + 1) if s not in have]
 
     def compact(self, upto: int) -> int:
-        """Forget history up to write `upto`: the rows of added items deleted by then and their
-        log rows go, the log's floor moves to `upto` (a replica behind it rebuilds from the
-        store). Trained items' rows stay: a rebuild starts from the built index, which holds
-        them. Returns the item rows removed."""
+        """Forget history up to write `upto`: the rows of added items deleted by then and the
+        log rows before it go (the row of `upto` stays: its token names the history a snapshot
+        at the floor belongs to), the log's floor moves to `upto` (a replica behind it rebuilds
+        from the store). Trained items' rows stay: a rebuild starts from the built index, which
+        holds them. Returns the item rows removed."""
         with self._lock:
+            self._check_retired()
             self.conn.execute("BEGIN IMMEDIATE")
             try:
                 n = self.conn.execute(
                     "DELETE FROM items WHERE source = 'added' AND deleted_seq <= ?", (upto,)
                 ).rowcount
-                self.conn.execute("DELETE FROM log WHERE seq <= ?", (upto,))
+                self.conn.execute("DELETE FROM log WHERE seq < ?", (upto,))
                 floor = int(read_meta(self.conn).get("log_floor", 0))
                 set_meta(self.conn, "log_floor", str(max(floor, upto)))
                 self.conn.execute("COMMIT")
@@ -380,6 +455,7 @@ class GalleryStore:
         """Live items added by a write after `after_seq` (-1: all) and not after `upto`, in id
         order."""
         with self._lock:
+            self._check_retired()
             rows = self.conn.execute(
                 "SELECT id, label, source, metadata, embedding, add_seq FROM items "
                 "WHERE deleted_seq IS NULL AND add_seq > ? AND add_seq <= ? ORDER BY id",
@@ -390,6 +466,7 @@ class GalleryStore:
     def deleted_after(self, seq: int) -> list[tuple[int, str, np.ndarray, int]]:
         """(id, label, embedding, add_seq) of items deleted by a write after `seq`."""
         with self._lock:
+            self._check_retired()
             rows = self.conn.execute(
                 "SELECT id, label, embedding, add_seq FROM items WHERE deleted_seq > ?", (seq,)
             ).fetchall()
@@ -402,6 +479,7 @@ class GalleryStore:
             chunk = [int(i) for i in ids[s : s + 500]]
             q = ",".join("?" * len(chunk))
             with self._lock:
+                self._check_retired()
                 out += self.conn.execute(
                     f"SELECT {columns} FROM items WHERE deleted_seq IS NULL{extra} AND id IN ({q})",
                     chunk,
@@ -431,6 +509,7 @@ class GalleryStore:
             sql += " AND id = ?"
             params.append(int(item_id))
         with self._lock:
+            self._check_retired()
             rows = self.conn.execute(sql + " ORDER BY id LIMIT ?", (*params, limit)).fetchall()
         return [
             ItemRow(r[0], r[1], r[2], json.loads(r[3]) if r[3] else None, r[4], bool(r[5]))
@@ -445,6 +524,7 @@ class GalleryStore:
         """Live items added through the service with id > `after_id`, in id order, every
         column (a migration reads the store this way, `limit` at a time)."""
         with self._lock:
+            self._check_retired()
             rows = self.conn.execute(
                 f"SELECT {_COLUMNS} FROM items WHERE source = 'added' AND deleted_seq IS NULL "
                 "AND id > ? ORDER BY id LIMIT ?",
@@ -455,6 +535,7 @@ class GalleryStore:
     def deleted_trained(self) -> list[dict]:
         """Metadata (dataset, dataset_index) of the trained items deleted through the service."""
         with self._lock:
+            self._check_retired()
             rows = self.conn.execute(
                 "SELECT metadata FROM items WHERE source = 'trained' AND deleted_seq IS NOT NULL"
             ).fetchall()
@@ -463,6 +544,7 @@ class GalleryStore:
     def trained_ids_by_source(self) -> dict[tuple, int]:
         """(dataset, dataset_index) -> id of every live trained item."""
         with self._lock:
+            self._check_retired()
             rows = self.conn.execute(
                 "SELECT id, metadata FROM items WHERE source = 'trained' AND deleted_seq IS NULL"
             ).fetchall()
@@ -475,6 +557,7 @@ class GalleryStore:
     def thumbnail(self, item_id: int) -> bytes | None:
         """The thumbnail of a live item, or None (no such item, deleted, or none kept)."""
         with self._lock:
+            self._check_retired()
             row = self.conn.execute(
                 "SELECT thumbnail FROM items WHERE id = ? AND deleted_seq IS NULL", (int(item_id),)
             ).fetchone()
@@ -483,10 +566,12 @@ class GalleryStore:
     def select(self, sql: str, params: tuple = ()) -> list[tuple]:
         """A read-only query on the store's connection (e.g. a migration's own tables)."""
         with self._lock:
+            self._check_retired()
             return self.conn.execute(sql, params).fetchall()
 
     def integrity_check(self) -> str:
         with self._lock:
+            self._check_retired()
             return self.conn.execute("PRAGMA integrity_check").fetchone()[0]
 
     # ------------------------------------------------------------------ writes
@@ -503,9 +588,11 @@ class GalleryStore:
 
     def transaction(self, fn, op: str = "migrate", count=lambda result: 0):
         """Run fn(conn, seq) in one IMMEDIATE transaction with the next sequence number and its
-        log row (`op`, count(result) items); return (seq, fn's result). StoreUnavailable when
-        the store cannot be written."""
+        log row (`op`, count(result) items, a new token); return (seq, fn's result).
+        StoreUnavailable when the store cannot be written, StoreCarriedAway once it was
+        carried to another model; fn raising NothingChanged(result) rolls back: (0, result)."""
         with self._lock:
+            self._check_retired()
             self._ensure_writable()
             why = self.unwritable()
             if why is not None:
@@ -513,19 +600,24 @@ class GalleryStore:
             try:
                 self.conn.execute("BEGIN IMMEDIATE")
                 try:
-                    seq = (
-                        int(
-                            self.conn.execute(
-                                "SELECT value FROM meta WHERE key = 'last_seq'"
-                            ).fetchone()[0]
+                    meta = dict(
+                        self.conn.execute(
+                            "SELECT key, value FROM meta WHERE key IN ('last_seq', ?)",
+                            (CARRIED_TO,),
                         )
-                        + 1
                     )
-                    result = fn(self.conn, seq)
+                    if CARRIED_TO in meta:  # under the write lock: no write after the seal
+                        raise StoreCarriedAway(carried_away_message(meta[CARRIED_TO]))
+                    seq = int(meta["last_seq"]) + 1
+                    try:
+                        result = fn(self.conn, seq)
+                    except NothingChanged as e:
+                        self.conn.execute("ROLLBACK")
+                        return 0, e.args[0] if e.args else None
                     set_meta(self.conn, "last_seq", str(seq))
                     self.conn.execute(
-                        "INSERT INTO log (seq, op, items, at) VALUES (?, ?, ?, ?)",
-                        (seq, op, int(count(result)), utc_now()),
+                        "INSERT INTO log (seq, op, items, at, token) VALUES (?, ?, ?, ?, ?)",
+                        (seq, op, int(count(result)), utc_now(), new_token()),
                     )
                     self.conn.execute("COMMIT")
                 except BaseException:
@@ -560,12 +652,40 @@ class GalleryStore:
 
         return self.transaction(fn, "add", len)
 
-    def delete(self, ids: list[int]) -> tuple[int, list[tuple[int, str, np.ndarray, str]]]:
-        """Mark the live items among `ids` deleted; return (seq, [(id, label, embedding, source)])."""
-        return self.transaction(lambda conn, seq: mark_deleted(conn, ids, seq), "delete", len)
+    def delete(
+        self, ids: list[int] | None = None, label: str | None = None
+    ) -> tuple[int, list[tuple[int, str, np.ndarray, str]]]:
+        """Mark deleted the live items among `ids`, or every live item of `label`, as the store
+        has them now (not as a lagging replica remembers them); return (seq, [(id, label,
+        embedding, source)]), (0, []) when none was live (nothing written)."""
+
+        def fn(conn, seq):
+            todo = ids
+            if label is not None:
+                todo = [
+                    r[0]
+                    for r in conn.execute(
+                        "SELECT id FROM items WHERE label = ? AND deleted_seq IS NULL", (label,)
+                    )
+                ]
+            rows = mark_deleted(conn, todo or [], seq)
+            if not rows:
+                raise NothingChanged([])
+            return rows
+
+        return self.transaction(fn, "delete", len)
+
+    def reader(self) -> StoreReader:
+        """A point-in-time view of the store on a connection of its own (an export reads every
+        page from it: writes committed meanwhile are not in it)."""
+        self._check_retired()
+        conn = open_unwritable(self.path) if self.read_only else open_store(self.path, True)
+        conn.execute("BEGIN")
+        conn.execute("SELECT 1 FROM meta LIMIT 1").fetchone()  # the snapshot starts here
+        return StoreReader(conn, "?")
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, contextlib.suppress(sqlite3.Error):
             self.conn.close()
         with self._follow_lock:
             if self._follow_conn is not None:
@@ -586,6 +706,58 @@ class GalleryStore:
             self.conn.close()
         if mode != "delete":
             raise StoreUnavailable(f"{self.path} is still in use elsewhere (journal mode {mode})")
+
+
+class StoreReader:
+    """Pages of a store read inside one transaction (GalleryStore.reader, PostgresStore.reader):
+    every page sees the store as it was when the reader opened."""
+
+    def __init__(self, conn, param: str, close=None):
+        self.conn = conn
+        self.p = param  # the driver's placeholder: ? (sqlite3) or %s (psycopg)
+        self._close = close or conn.close
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.execute("ROLLBACK")
+        self._close()
+
+    def last_seq(self) -> int:
+        p = self.p
+        return int(
+            self.conn.execute(f"SELECT value FROM meta WHERE key = {p}", ("last_seq",)).fetchone()[
+                0
+            ]
+        )
+
+    def added_items(self, after_id: int, limit: int) -> list[StoredItem]:
+        p = self.p
+        rows = self.conn.execute(
+            f"SELECT {_COLUMNS} FROM items WHERE source = 'added' AND deleted_seq IS NULL "
+            f"AND id > {p} ORDER BY id LIMIT {p}",
+            (after_id, limit),
+        ).fetchall()
+        return [
+            StoredItem(*[bytes(v) if isinstance(v, memoryview) else v for v in r]) for r in rows
+        ]
+
+    def item_rows(self, after_id: int, limit: int) -> list[ItemRow]:
+        p = self.p
+        rows = self.conn.execute(
+            "SELECT id, label, source, metadata, created_at, thumbnail IS NOT NULL FROM items "
+            f"WHERE deleted_seq IS NULL AND id > {p} ORDER BY id LIMIT {p}",
+            (after_id, limit),
+        ).fetchall()
+        return [
+            ItemRow(r[0], r[1], r[2], json.loads(r[3]) if r[3] else None, r[4], bool(r[5]))
+            for r in rows
+        ]
 
 
 def new_items(ids, label, embeddings, metadata, images, thumbnails, now) -> list[StoredItem]:

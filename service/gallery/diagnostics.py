@@ -57,7 +57,6 @@ def leave_one_out_votes(
     own: np.ndarray,
     own_label: int,
     search,
-    labels_of,
     sums: np.ndarray,
     counts: np.ndarray,
     temperature: float,
@@ -67,11 +66,11 @@ def leave_one_out_votes(
 ) -> tuple[torch.Tensor, np.ndarray]:
     """(m, C) the vote's probabilities for each row of emb (m, d), item `own[i]` of label
     `own_label` taken out of the gallery (own[i] = -1: a row not in the gallery), and (m,)
-    the open-set score of each row's top label (embedding.openset)."""
+    the open-set score of each row's top label (embedding.openset). `search(q, kk)` -> the
+    index's (sims, ids, label ids) (m, kk) each."""
     n_live = int(counts.sum())
     kk = min(max(rule.candidates_needed(k, candidates), k, unknown_k) + 1, n_live)
-    sims, ids = search(emb, kk)  # (m, kk)
-    lab = labels_of(ids)
+    sims, ids, lab = search(emb, kk)  # (m, kk)
     out, scores = [], []
     for i in range(len(emb)):
         keep = ids[i] != own[i]
@@ -108,7 +107,6 @@ def diagnose(
     sums: np.ndarray,
     counts: np.ndarray,
     search,
-    labels_of,
     temperature: float,
     k: int,
     candidates: int,
@@ -141,7 +139,7 @@ def diagnose(
     if len(emb) == 0 or n == 0:
         return d
     probs, scores = leave_one_out_votes(
-        rule, emb, own, c, search, labels_of, sums, counts, temperature, k, candidates, unknown_k
+        rule, emb, own, c, search, sums, counts, temperature, k, candidates, unknown_k
     )  # (m, C), (m,)
     if probs.shape[1] == 0 or float(probs.sum()) == 0.0:
         return d

@@ -64,6 +64,7 @@ class Snapshot:
 # dense 22.0 vs candidates 24.7 ms at 55,000 items; 83.0 vs 39.1 ms at 100,000).
 CANDIDATES = 1024
 EXACT_MAX = 60_000
+DIAGNOSE_CHUNK = 16  # images searched per hold of the read lock (diagnose)
 
 
 class Gallery:
@@ -82,13 +83,25 @@ class Gallery:
         self.candidates = candidates  # K': index candidates a vote reads beyond exact_max
         self.exact_max = exact_max  # galleries up to this many items vote densely
         self.lock = RWLock()
-        self.version = 0  # last store write applied
+        self.on_version = None  # (version) -> None, told whenever the version moves
+        self._version = 0  # last store write applied
         self.rows = Rows(dim)
         self.stats = LabelStats(dim)
         self._snapshot: Snapshot | None = None
         self._checksum: tuple | None = None
         self.openset = OpenSet(dim, unknown_k)
         self._thresholds: dict[float, tuple] = {}  # tpr -> (key, (C,) thresholds)
+
+    @property
+    def version(self) -> int:
+        """The last store write applied."""
+        return self._version
+
+    @version.setter
+    def version(self, v: int) -> None:
+        self._version = v
+        if self.on_version is not None:
+            self.on_version(v)  # wakes the requests parked for it (service/waits.py)
 
     # ------------------------------------------------------------------ writes (store first)
     def load_items(self, items: list[Item]) -> None:
@@ -182,6 +195,13 @@ class Gallery:
         self._thresholds[tpr] = (key, t)
         return t
 
+    def cached_thresholds(self, tpr: float) -> np.ndarray | None:
+        """thresholds(tpr) if cached for the current calibration, else None; takes no lock
+        (the event loop calls it: a reader waiting behind a writer would stop the loop)."""
+        hit = self._thresholds.get(tpr)
+        key = (self.openset.epoch, len(self.stats))
+        return hit[1] if hit is not None and hit[0] == key else None
+
     def thresholds_at(self, tpr: float) -> np.ndarray:
         """thresholds(tpr) under the read lock (cached per calibration and rate)."""
         with self.lock.read():
@@ -198,7 +218,12 @@ class Gallery:
     ) -> Diagnostics | None:
         """Diagnostics of `label` (service/gallery/diagnostics.py) from its items `ids` with
         embeddings `emb` (the images just added), or else from its open-set sample (up to
-        embedding.openset.SAMPLE items); None when the label has no items."""
+        embedding.openset.SAMPLE items); None when the label has no items.
+
+        The read lock is taken for a moment at a time (a copy of the label statistics, then
+        one search of DIAGNOSE_CHUNK images per hold), never for the whole call: a write
+        waiting for the lock blocks new readers, so one long hold would stall every reader
+        behind it (the event loop's too, before it stopped taking this lock)."""
         with self.lock.read():
             c = self.stats.ids.get(label)
             if c is None or self.stats.counts[c] <= 0:
@@ -209,23 +234,37 @@ class Gallery:
                 emb = s.emb.copy() if s is not None else np.zeros((0, self.dim), np.float32)
             else:
                 own = np.asarray(ids, dtype=np.int64)
-            return diagnose(
-                label,
-                c,
-                np.ascontiguousarray(emb, dtype=np.float32),
-                own,
-                _RULES[vote],
-                self.stats.names,
-                self.stats.sums.copy(),
-                self.stats.counts.copy(),
-                lambda q, kk: self.vectors.search(q, kk),
-                self.rows.labels_of,
-                self.temperature,
-                k,
-                self.candidates,
-                self.openset.k,
-                self.thresholds(tpr) if tpr else np.full(len(self.stats), -np.inf),
-            )
+            names = list(self.stats.names)
+            sums, counts = self.stats.sums.copy(), self.stats.counts.copy()
+            thresholds = self.thresholds(tpr) if tpr else np.full(len(self.stats), -np.inf)
+
+        def search(q: np.ndarray, kk: int):
+            out = []
+            for s0 in range(0, len(q), DIAGNOSE_CHUNK):
+                with self.lock.read():
+                    sims, hit = self.vectors.search(q[s0 : s0 + DIAGNOSE_CHUNK], kk)
+                    out.append((sims, hit, self.rows.labels_of(hit)))
+            if not out:
+                z = np.zeros((0, kk))
+                return z, z.astype(np.int64), z.astype(np.int64)
+            return tuple(np.concatenate(parts) for parts in zip(*out, strict=True))
+
+        return diagnose(
+            label,
+            c,
+            np.ascontiguousarray(emb, dtype=np.float32),
+            own,
+            _RULES[vote],
+            names,
+            sums,
+            counts,
+            search,
+            self.temperature,
+            k,
+            self.candidates,
+            self.openset.k,
+            thresholds,
+        )
 
     def size(self) -> int:
         return int(self.stats.counts.sum())
@@ -237,6 +276,12 @@ class Gallery:
     def labels(self) -> list[str]:
         """Every label name seen, in label-id order (some may have no items left)."""
         return self.stats.names
+
+    def cached_checksum(self) -> str | None:
+        """checksum() if cached for the current rows, else None; takes no lock."""
+        c = self._checksum
+        key = (id(self.rows), self.rows.epoch, self.vectors.index.ntotal)
+        return c[1] if c is not None and c[0] == key else None
 
     def checksum(self) -> str:
         """sha256 over the live (id, label) pairs in id order, and the index's size: two
@@ -271,15 +316,6 @@ class Gallery:
         """(label, live count, added count) for labels with items, by label name."""
         with self.lock.read():
             return self.stats.table()
-
-    def ids_of(self, label: str) -> list[int]:
-        with self.lock.read():
-            c = self.stats.ids.get(label)
-            return [] if c is None else self.rows.ids_with(np.array([c])).tolist()
-
-    def label_of_id(self, item_id: int) -> str | None:
-        with self.lock.read():
-            return self._name(self.rows.label_of(item_id))
 
     def _name(self, label_id: int) -> str | None:
         return None if label_id < 0 else self.stats.names[label_id]

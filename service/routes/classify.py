@@ -232,7 +232,11 @@ async def answers(state: ServiceState, prepared: list, query: tuple) -> list[dic
             *[rt.classify(p, vote_name, k, labels, neighbors) for p in prepared]
         )
     state.metrics.classified.labels(vote_name).inc(len(cs))
-    thresholds = state.gallery.thresholds_at(tpr) if tpr else None
+    thresholds = None
+    if tpr:  # (no lock on the event loop: the cached thresholds, else from a pool thread)
+        thresholds = state.gallery.cached_thresholds(tpr)
+        if thresholds is None:
+            thresholds = await run_in_threadpool(state.gallery.thresholds_at, tpr)
     out = [result(state, c, vote_name, k, neighbors, tpr, thresholds) for c in cs]
     unknown = sum(r["unknown"] for r in out)
     if unknown:

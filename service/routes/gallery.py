@@ -183,7 +183,7 @@ async def labels(
     limit: Annotated[int, Query(ge=1, le=10000, description="labels per page")] = 1000,
     page_token: LabelCursor = None,
 ):
-    rows = state.gallery.label_table()  # by name
+    rows = await run_in_threadpool(state.gallery.label_table)  # by name (a lock: not on the loop)
     total, n_labels = sum(r[1] for r in rows), len(rows)
     if page_token is not None:  # the labels after it: stable while labels come and go
         rows = [r for r in rows if r[0] > page_token]
@@ -205,7 +205,14 @@ async def labels(
 @router.get(
     "/diagnostics",
     response_model=LabelDiagnostics,
-    responses={**READ_ERRORS, 404: {"model": ErrorBody, "description": "no such label"}},
+    responses={
+        **READ_ERRORS,
+        404: {"model": ErrorBody, "description": "no such label"},
+        429: {
+            "model": ErrorBody,
+            "description": "SNCA_DIAGNOSTICS_CONCURRENCY calls run and as many wait: retry later",
+        },
+    },
     summary="How a label's images agree and where it sits among the other labels",
     openapi_extra=access("read"),
 )
@@ -215,10 +222,20 @@ async def label_diagnostics(
 ):
     s = state.settings
     name = normalize_label(label)
-    diag = await run_in_threadpool(state.gallery.diagnose, name, s.vote, s.k, s.unknown_tpr)
-    if diag is None:
+    key = (name, state.gallery.version)  # the same answer until the gallery changes
+    out = state.diagnostics_cache.get(key)
+    if out is None:
+        async with state.diagnostics_gate.enter():  # (429 too_busy beyond its bound)
+            out = state.diagnostics_cache.get(key)
+            if out is None:
+                diag = await run_in_threadpool(
+                    state.gallery.diagnose, name, s.vote, s.k, s.unknown_tpr
+                )
+                out = None if diag is None else LabelDiagnostics.model_validate(asdict(diag))
+                state.diagnostics_cache.put(key, out)
+    if out is None:
         raise Problem(404, "label_unknown", f"no live items with label {name!r}")
-    return LabelDiagnostics.model_validate(asdict(diag))
+    return out
 
 
 def _info(r: ItemRow) -> ItemInfo:
@@ -283,29 +300,26 @@ def _delete_route(path: str, summary: str):
     )
 
 
-async def _delete(state, ids: list[int], label: str | None, code: str, what: str):
-    """Delete the live items among `ids` (404 `code` naming `what` when there are none)."""
-    rows = []
-    if ids:
-        rows, seq = await run_in_threadpool(state.delete, ids)
+async def _delete(state, ids: list[int] | None, label: str | None, code: str, what: str):
+    """Delete the live items among `ids`, or of `label`, as the store has them (a replica
+    that has not applied an add yet still deletes it); 404 `code` naming `what` when none."""
+    rows, seq = await run_in_threadpool(state.delete, ids, label)
     if not rows:
         raise Problem(404, code, f"no {what} in the gallery")
-    return DeleteResult(deleted=sorted(r[0] for r in rows), label=label, gallery_version=seq)
+    return DeleteResult(
+        deleted=sorted(r[0] for r in rows), label=label or rows[0][1], gallery_version=seq
+    )
 
 
 @_delete_route("/labels/{label:path}", "Delete every item of a label")
 async def delete_label(state: StateDep, label: str):
     label = normalize_label(label)
-    return await _delete(
-        state, state.gallery.ids_of(label), label, "label_unknown", f"label {label!r}"
-    )
+    return await _delete(state, None, label, "label_unknown", f"label {label!r}")
 
 
 @_delete_route("/items/{item_id}", "Delete one item")
 async def delete_item(state: StateDep, item_id: ItemId):
-    label = state.gallery.label_of_id(item_id)
-    ids = [] if label is None else [item_id]
-    return await _delete(state, ids, label, "item_unknown", f"item {item_id}")
+    return await _delete(state, [item_id], None, "item_unknown", f"item {item_id}")
 
 
 @router.get(

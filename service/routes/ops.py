@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..deps import GuardedRoute, StateDep, access
+from ..deps import GuardedRoute, StateDep, access, may_read
 from ..problems import Problem
 from ..schemas import ErrorBody, SnapshotResult
 
@@ -41,12 +41,16 @@ async def readyz(request: Request):
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
     state = host.state
     writable = state.store_writable()
+    if not may_read(request):  # SNCA_PROTECT_READS without the key: the status only
+        body = {"status": "ready" if writable else "degraded", "store_writable": writable}
+        return JSONResponse(body, status_code=200 if writable else 503)
     body = {
         "status": "ready" if writable else "degraded",
         "model_fingerprint": state.fingerprint,
         "items": state.gallery.size(),
         "gallery_version": state.gallery.version,
-        "gallery_checksum": state.gallery.checksum(),
+        "gallery_checksum": state.gallery.cached_checksum()
+        or await run_in_threadpool(state.gallery.checksum),
         "pid": os.getpid(),
         "hostname": socket.gethostname(),  # which replica answered (behind a load balancer)
         "store_writable": writable,

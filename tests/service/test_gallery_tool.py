@@ -4,9 +4,11 @@ exactly as /gallery/add embeds it, and an export gives every item and image back
 
 import csv
 import json
+import sqlite3
 import time
 
 import httpx
+import numpy as np
 
 from tests.conftest import run_cli
 
@@ -128,3 +130,147 @@ def test_import_while_serving_resume_and_export(base_run, tmp_path, fmnist_test)
         assert (out / r["image"]).read_bytes() == files[key]
     p = run_cli("service.gallery_tool", "export", out, "--model", base_run, "--data-dir", data)
     assert p.returncode == 2 and "not an empty folder" in p.stderr
+
+
+def _gallery_with_images(base_run, data, raw, labels: dict[str, int]) -> dict[str, list[int]]:
+    """A data dir whose gallery holds `labels` (name -> n images, each added with its image)."""
+    from .test_routes import make_client
+
+    out = {}
+    with make_client(base_run, data) as c:
+        start = 0
+        for label, n in labels.items():
+            files = [
+                ("images", (f"{i}.png", png(raw, i), "image/png")) for i in range(start, start + n)
+            ]
+            r = c.post("/gallery/add", data={"label": label}, files=files)
+            assert r.status_code == 201, r.text
+            out[label] = r.json()["ids"]
+            start += n
+    return out
+
+
+def test_export_refuses_links_planted_in_its_folder(base_run, tmp_path, fmnist_test, monkeypatch):
+    """Links planted in OUT after its emptiness check (while the model loads) used to be
+    followed: a file outside OUT was overwritten and the images written outside it."""
+    from embedding.errors import SNCAError
+    from service import gallery_tool
+
+    data = tmp_path / "data"
+    _gallery_with_images(base_run, data, fmnist_test, {"bag": 3})
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.txt").write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()  # new and empty: the check passes
+    real = gallery_tool.open_state
+
+    def plant_then_open(args, **kw):  # the attacker's move, in the window
+        (out / "images").symlink_to(outside)
+        (out / "items.jsonl").symlink_to(outside / "victim.txt")
+        return real(args, **kw)
+
+    monkeypatch.setattr(gallery_tool, "open_state", plant_then_open)
+    args = {"out": out, "model": base_run, "data_dir": data, "progress": False}
+    try:
+        gallery_tool.export_items(args, log=lambda *a, **k: None)
+        raise AssertionError("the export wrote through planted links")
+    except SNCAError as e:
+        assert "wrote into it meanwhile" in str(e)
+    assert (outside / "victim.txt").read_text() == "keep me"
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.txt"]
+
+
+def test_export_is_one_point_in_time_and_takes_any_label(
+    base_run, tmp_path, fmnist_test, monkeypatch
+):
+    """Labels of 86 CJK characters or 64 emoji (<= 100 characters, > 255 bytes) made every
+    export abort (file name too long); items added while an export ran were written with
+    "image": null. Now an export reads one transaction: a write meanwhile is not in it."""
+    from embedding.progress import Progress
+    from service import gallery_tool
+    from service.store import GalleryStore
+
+    data = tmp_path / "data"
+    cjk, emoji = "漢" * 86, "🙂" * 64
+    ids = _gallery_with_images(base_run, data, fmnist_test, {cjk: 2, emoji: 2, "plain": 2})
+    conn = sqlite3.connect(data / "gallery.sqlite")
+    meta = dict(conn.execute("SELECT key, value FROM meta"))
+    conn.close()
+    written = {}
+    real = Progress.__enter__
+
+    def write_meanwhile(self):  # a writer commits after the images were read
+        if not written:
+            s = GalleryStore(
+                data / "gallery.sqlite", None, meta["model_fingerprint"], meta["index_id"]
+            )
+            emb = np.eye(1, int(meta["dim"]), dtype="float32")
+            written["seq"], written["ids"] = s.add("late", emb, [None], [(b"x", "image/png")])
+            s.close()
+        return real(self)
+
+    monkeypatch.setattr(Progress, "__enter__", write_meanwhile)
+    out = tmp_path / "out"
+    args = {"out": out, "model": base_run, "data_dir": data, "progress": False}
+    assert gallery_tool.export_items(args, log=lambda *a, **k: None) == 0
+    rows = [json.loads(x) for x in (out / "items.jsonl").read_text().splitlines()]
+    added = [r for r in rows if r["source"] == "added"]
+    assert sorted(r["id"] for r in added) == sorted(i for v in ids.values() for i in v)
+    assert all(r["image"] is not None and (out / r["image"]).is_file() for r in added)
+    assert written["ids"][0] not in {r["id"] for r in rows}  # after the export's point in time
+    summary = json.loads((out / "export.json").read_text())
+    assert summary["gallery_version"] == written["seq"] - 1 and summary["items"] == len(rows)
+    folders = json.loads((out / "labels.json").read_text())
+    assert folders["plain"] == "plain" and len(folders[cjk].encode()) <= 100
+    assert {r["label"] for r in added} == {cjk, emoji, "plain"}
+
+
+def test_import_is_bounded_and_forgiving_per_row(base_run, tmp_path, fmnist_test):
+    """A 2 GB sparse .png was read whole (+2.3 GB RSS); one bad CSV row aborted the import; a
+    field over 131 KB was a traceback; a BOM header was read as data; absolute and ../ paths
+    were imported without saying so. Now each is named and skipped, the rest imported."""
+    root = tmp_path / "csvdir"
+    (root / "img").mkdir(parents=True)
+    for j, i in enumerate(of_class(fmnist_test, 8, 3)):
+        (root / "img" / f"{j}.png").write_bytes(png(fmnist_test, i))
+    with open(root / "img" / "huge.png", "wb") as f:  # sparse: 2 GB that take no disk
+        f.truncate(2 * 1024**3)
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(png(fmnist_test, int(of_class(fmnist_test, 8, 4)[3])))
+    lines = [
+        "\ufeffpath,label",  # a BOM before the header
+        "img/0.png,bags",
+        "img/huge.png,bags",
+        "only-one-field",
+        '"' + "x" * 200_000 + '",bags',
+        "img/1.png,bags",
+        f"{outside},bags",
+        "../outside.png,bags",
+        "img/2.png,bags",
+    ]
+    (root / "list.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    data = tmp_path / "data"
+    args = ["import", root / "list.csv", "--model", base_run, "--data-dir", data, "--no-progress"]
+    p = run_cli("service.gallery_tool", *args)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "imported 3," in p.stdout, p.stdout + p.stderr
+    err = p.stderr
+    assert "huge.png" in err and "limit" in err
+    assert "line 4" in err and "line 5" in err and "field larger" in err
+    assert err.count("outside the CSV's folder") == 2 and "Traceback" not in err
+    assert "path" not in {x for x in label_counts_of(data, base_run)}  # the header is no row
+    p = run_cli("service.gallery_tool", *args, "--allow-outside")
+    assert "imported 1," in p.stdout, p.stdout + p.stderr  # the two outside rows: one image
+
+
+def label_counts_of(data, run) -> dict[str, int]:
+    conn = sqlite3.connect(data / "gallery.sqlite")
+    try:
+        return dict(
+            conn.execute(
+                "SELECT label, COUNT(*) FROM items WHERE deleted_seq IS NULL GROUP BY label"
+            ).fetchall()
+        )
+    finally:
+        conn.close()

@@ -2,9 +2,12 @@
 carries every added item over before it serves (service/migration.py)."""
 
 import json
+import os
 import sqlite3
+import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 
@@ -230,3 +233,191 @@ def test_a_store_at_the_old_default_place_is_carried_into_the_data_dir(
     with make_client(run, tmp_path / "other", store=tmp_path / "named.sqlite") as c:
         labels = {x["label"] for x in c.get("/gallery/labels").json()["labels"]}
         assert "from-before" not in labels  # a store named explicitly is not replaced by it
+
+
+def _live_added(store) -> dict[int, str]:
+    conn = sqlite3.connect(store)
+    try:
+        rows = conn.execute(
+            "SELECT id, label FROM items WHERE source = 'added' AND deleted_seq IS NULL"
+        ).fetchall()
+    finally:
+        conn.close()
+    return dict(rows)
+
+
+def test_a_copy_the_store_moved_past_is_caught_up_not_swapped_in(
+    base_run, new_model, tmp_path, fmnist_train, monkeypatch
+):
+    """The copy is complete (migrated_from written) but the process dies before the old store
+    is sealed; a server with the old model then keeps writing. The next run must carry those
+    writes (it swapped the stale copy in: 26 of 157 acknowledged adds vanished)."""
+    data = tmp_path / "data"
+    with make_client(base_run, data) as c:
+        first = _add(c, "before", fmnist_train, range(0, 8))
+    opening = open_service(Settings(model=new_model, data_dir=data), Metrics())
+    try:
+
+        def run():
+            return Migration(
+                opening.plan,
+                DataDir(data),
+                opening.index.store,
+                lambda it: opening.runtime.embed_stored([x.image for x in it]),
+                4,
+            ).run()
+
+        real = migration.set_meta
+
+        def dies_at_the_seal(conn, key, value):
+            if key == migration.CARRIED_TO:
+                raise Crash
+            return real(conn, key, value)
+
+        monkeypatch.setattr(migration, "set_meta", dies_at_the_seal)
+        with pytest.raises(Crash):
+            run()
+        monkeypatch.undo()
+        half = _meta(data / "gallery.sqlite.migrating")
+        assert half.get("migrated_from") is not None  # the copy was complete...
+        # ...and the old model's server goes on: adds, a delete of a carried item, a delete
+        # of a trained one
+        with make_client(base_run, data) as c:
+            later = _add(c, "after", fmnist_train, range(8, 13))
+            assert c.delete(f"/gallery/items/{first[0]}").status_code == 200
+            trouser = _search(c, fmnist_train, of_class(fmnist_train, 1, 1)[0], "Trouser", 1)[0]
+            assert c.delete(f"/gallery/items/{trouser['id']}").status_code == 200
+        report = run()
+    finally:
+        opening.runtime.close()
+    assert report.caught_up == 3 and report.deleted_trained == 1  # 1 add + 2 deletes
+    live = _live_added(data / "gallery.sqlite")
+    assert sorted(live) == sorted(first[1:] + later)  # every acknowledged add, no deleted one
+    meta = _meta(data / "gallery.sqlite")
+    assert meta["model_fingerprint"] == RunDir(new_model).load_model_card()[1]
+    (archive,) = (data / "previous").iterdir()
+    assert migration.CARRIED_TO in _meta(archive)  # the old store, sealed: no write can land
+
+
+@pytest.mark.slow
+def test_a_rolling_upgrade_loses_no_acknowledged_add(base_run, new_model, tmp_path, fmnist_train):
+    """Server A (old model) keeps taking adds while B (new model) starts on the same data dir:
+    B carries the gallery, follows A's writes, seals the old store (A's later adds answer 503,
+    A reports not ready and lets go of the file), then swaps. Every add A acknowledged is in
+    B's gallery. (B used to fail its swap with "database is locked" and exit; restarted, it
+    swapped in its stale copy.)"""
+    from .conftest import Server
+
+    data = tmp_path / "data"
+    a = Server(base_run, data, {"SNCA_FUSED_BATCHES": "0"})
+    acked: dict[int, str] = {}
+    refused: list[int] = []
+    stop = threading.Event()
+
+    def writer():
+        n = 0
+        with httpx.Client(base_url=a.url, timeout=30) as c:
+            while not stop.is_set():
+                files = [("images", ("x.png", png(fmnist_train, n % 500), "image/png"))]
+                r = c.post("/gallery/add", data={"label": f"w{n % 7}"}, files=files)
+                if r.status_code == 201:
+                    acked.update({i: f"w{n % 7}" for i in r.json()["ids"]})
+                else:
+                    refused.append(r.status_code)
+                n += 1
+
+    with httpx.Client(base_url=a.url, timeout=30) as c:
+        for s in range(0, 96, 32):  # something to carry while A writes
+            _add(c, f"seed{s}", fmnist_train, range(1000 + s, 1032 + s))
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    b = None
+    try:
+        b = Server(new_model, data, {"SNCA_FUSED_BATCHES": "0"}, timeout=300)
+        stop.set()
+        t.join(timeout=60)
+        ready = httpx.get(b.url + "/readyz").json()
+        assert ready["migration"]["caught_up"] >= 1, ready  # A's writes during the copy
+        ra = httpx.get(a.url + "/readyz")
+        assert ra.status_code == 503 and "carried" in ra.json()["store_error"], ra.text
+        r = httpx.post(
+            a.url + "/gallery/add",
+            data={"label": "late"},
+            files=[("images", ("x.png", png(fmnist_train, 1), "image/png"))],
+        )
+        assert r.status_code == 503 and r.json()["code"] == "store_unavailable", r.text
+        assert set(refused) <= {503}
+        live = _live_added(data / "gallery.sqlite")
+        missing = {i: lab for i, lab in acked.items() if live.get(i) != lab}
+        assert not missing, f"{len(missing)} of {len(acked)} acknowledged adds lost"
+        assert len(acked) >= 5
+        print(
+            f"rolling upgrade: {len(acked)} adds acknowledged by A, all in B's gallery; "
+            f"{len(refused)} refused (503) after the seal; {ready['migration']['caught_up']} "
+            "writes caught up"
+        )
+        with httpx.Client(base_url=b.url, timeout=30) as cb:
+            labels = {x["label"]: x["count"] for x in cb.get("/gallery/labels").json()["labels"]}
+        assert labels["seed0"] == 32 and sum(labels.get(f"w{i}", 0) for i in range(7)) == len(
+            {i for i, lab in acked.items() if lab.startswith("w")}
+        )
+    finally:
+        stop.set()
+        a.kill(15)
+        if b is not None:
+            b.kill(15)
+
+
+@pytest.mark.slow
+def test_two_new_models_starting_together_carry_the_gallery_once(
+    base_run, new_model, tmp_path, fmnist_train
+):
+    """Two processes of the new model on one data dir: the second used to delete the first's
+    half-written store, and the first died. Now one carries, the other waits for it."""
+    import subprocess
+    import sys
+
+    from .conftest import free_port
+
+    data = tmp_path / "data"
+    with make_client(base_run, data) as c:
+        ids = _add(c, "shared", fmnist_train, range(0, 40))
+    procs, urls = [], []
+    for i in range(2):
+        port = free_port()
+        log = open(tmp_path / f"b{i}.log", "w")  # noqa: SIM115 (closed below)
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, "-m", "service", "--model", str(new_model), "--data-dir",
+                     str(data), "--port", str(port)],
+                    stdout=log, stderr=subprocess.STDOUT,
+                    env={**os.environ, "SNCA_FUSED_BATCHES": "0", "OMP_NUM_THREADS": "1"},
+                ),
+                log,
+            )
+        )  # fmt: skip
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        for i, ((p, _), url) in enumerate(zip(procs, urls, strict=True)):
+            deadline = time.time() + 300
+            while True:
+                assert p.poll() is None, (tmp_path / f"b{i}.log").read_text()
+                try:
+                    if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.time() < deadline, "not ready"
+                time.sleep(0.2)
+        states = [httpx.get(u + "/readyz").json() for u in urls]
+        assert len({s["gallery_checksum"] for s in states}) == 1
+        assert len([s for s in states if "migration" in s]) == 1  # one carried, once
+        assert len(list((data / "previous").iterdir())) == 1
+        assert sorted(_live_added(data / "gallery.sqlite")) == ids
+    finally:
+        for p, log in procs:
+            p.terminate()
+            p.wait(timeout=30)
+            log.close()
