@@ -21,7 +21,6 @@ import schemathesis
 
 from service.inputs import LABEL_PATTERN
 
-
 # Answers to a schema-valid X-Min-Gallery-Version that depend on the store's state, not on
 # the request's shape (documented in the OpenAPI document and tested in test_replicas.py).
 STATEFUL = {(422, "version_unknown"), (503, "version_not_applied"), (429, "too_many_waiting")}
