@@ -39,9 +39,9 @@ def taken(run: Path, label: str, image: bytes, probe: bytes, test, vote: str) ->
         host = ServiceHost(Settings(model=run, data_dir=Path(tmp), vote=vote))
         st = host.finish()
         try:
-            emb, _ = st.runtime.embed_stored([image])
+            emb, _, _ = st.runtime.embed_stored([image])
             st.add(label, emb, [None], [None])
-            e2, _ = st.runtime.embed_stored([probe])
+            e2, _, _ = st.runtime.embed_stored([probe])
             probe_label = st.gallery.classify(e2, vote, st.settings.k)[0].label
             got = []
             x = test.source.images

@@ -50,7 +50,7 @@ def main() -> int:
         st = host.finish()
         imgs = [png(i) for i in range(a.items)]
         for s in range(0, a.items, 64):
-            emb, _ = st.runtime.embed_stored(imgs[s : s + 64])
+            emb, _, _ = st.runtime.embed_stored(imgs[s : s + 64])
             stored = [(b, "image/png") for b in imgs[s : s + 64]]
             st.add(f"label{s // 640}", emb, [None] * len(emb), stored)
         host.stop()

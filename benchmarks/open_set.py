@@ -37,6 +37,7 @@ from embedding.votes import VOTES
 from embedding.votes.kde_shrunk import KdeShrunk
 from service.gallery import Gallery
 from service.gallery.vectors import VectorIndex
+from service.store import Item
 from training.datasets import build_data
 from training.evaluate import run_config
 from training.fewshot import embed_positions
@@ -59,28 +60,30 @@ def gallery_of(run: Path, source: str):
     return model, cfg, data, raw, g, bank.labels
 
 
-def make_gallery(g: torch.Tensor, y: torch.Tensor, names: list[str], temperature: float, k: int):
-    """A service Gallery (Flat index) holding rows g (N, d) with labels y (N,) named `names`."""
+def make_gallery(
+    g: torch.Tensor, y: torch.Tensor, names: list[str], temperature: float, k: int,
+    world=None, world_tpr: float = 0.99,
+):  # fmt: skip
+    """A service Gallery (Flat index) holding rows g (N, d) with labels y (N,) named `names`
+    (with the world check's fit `world`, when given)."""
     import faiss
 
     tune_faiss()
     d = g.shape[1]
     gal = Gallery(VectorIndex(faiss.IndexIDMap2(faiss.IndexFlatIP(d)), {}), d, temperature,
-                  unknown_k=k)  # fmt: skip
+                  unknown_k=k, world=world, world_tpr=world_tpr)  # fmt: skip
     emb = g.numpy().astype(np.float32)
-    seq = 0
-    for c, name in enumerate(names):
-        rows = np.nonzero(y.numpy() == c)[0]
-        if len(rows):
-            seq += 1
-            gal.apply_add(rows.astype(np.int64).tolist(), name, emb[rows], seq)
+    ids = np.arange(len(emb), dtype=np.int64)
+    gal.vectors.add(ids, emb)  # the trained items, as a start-up loads them (source trained)
+    lab = y.numpy()
+    gal.load_items([Item(int(i), names[int(lab[i])], "trained", None, emb[i]) for i in ids])
     return gal
 
 
-def add_label(gal: Gallery, name: str, emb: np.ndarray) -> None:
+def add_label(gal: Gallery, name: str, emb: np.ndarray, stats=None) -> None:
     start = int(gal.rows.ids.max()) + 1 if gal.rows.n else 0
     gal.apply_add(list(range(start, start + len(emb))), name, emb.astype(np.float32),
-                  gal.version + 1)  # fmt: skip
+                  gal.version + 1, stats)  # fmt: skip
 
 
 def far_ood_images(test_images: np.ndarray, n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -390,6 +393,179 @@ def register_novel(a, model, gal, raw, novel_ids, q_id, lid_id, s_id, th, q_near
     return res
 
 
+# ---------------------------------------------------------------- world (issue 28)
+def world_fit_of(run: Path, model, raw, g_indices: np.ndarray, labels: np.ndarray, seed: int):
+    """The run dir's world.safetensors, else fitted as snca-build-index does (80/20 of the
+    training images)."""
+    from embedding import world
+
+    rd = RunDir(run)
+    if rd.world.is_file():
+        return world.load(rd.world, model.fingerprint), "run dir (validation-calibrated)"
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(g_indices))
+    cut = int(0.8 * len(order))
+    fit_rows, cal_rows = order[:cut][:20000], order[cut:][:5000]
+    w = world.fit_from_images(model, raw.source, g_indices[fit_rows], g_indices[cal_rows],
+                              labels[cal_rows], torch.device("cpu"))  # fmt: skip
+    return w, "fitted on training images (as snca-build-index for an old run)"
+
+
+def vectors_and_stats(model, images_u8: torch.Tensor):
+    """uint8 (m, C, H, W) at the model's size -> (unit vectors (m, d), statistics (m, D))."""
+    from embedding import world
+    from embedding.transforms import normalize_batch
+
+    return world.collect(
+        model, [normalize_batch(images_u8[s : s + 1000], model.config)
+                for s in range(0, len(images_u8), 1000)]
+    )  # fmt: skip
+
+
+def photo_sets(model_cfg, seed: int) -> dict[str, torch.Tensor]:
+    """Real photographs (scikit-image's, shipped in its wheel) as the service would see them:
+    random crops of 14 photos (not the cup), 40 portraits (LFW); uint8 at the model's size."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "service"))
+    import skimage.data
+    from photos import OTHERS, crops, photo
+    from PIL import Image
+
+    from embedding.transforms import eval_geometry
+
+    geo = eval_geometry(model_cfg)
+    pics = [c for i, n in enumerate(OTHERS) for c in crops(photo(n), 20, seed + i)]
+    faces = [Image.fromarray((f * 255).astype(np.uint8)) for f in skimage.data.lfw_subset()[:40]]
+    return {
+        "photos": torch.stack([geo(p) for p in pics]),
+        "portraits": torch.stack([geo(p) for p in faces]),
+    }
+
+
+def world(a) -> dict:
+    """Both checks together, as /classify answers (service Gallery, SNCA defaults): known
+    images accepted; every outlier family, real digits and photographs flagged unknown; near
+    OOD (held-out classes of a partial model); the registration case of a photographed cup."""
+    from embedding import outliers
+
+    model, cfg, data, raw, g, gy = gallery_of(a.run, "recompute")
+    names = list(data.model_cfg.class_names)
+    bank = RunDir(a.run).load_memory()
+    fit, how = world_fit_of(a.run, model, raw, bank.indices.numpy(), gy.numpy(), a.seed)
+    log(f"world statistics: {how}; D = {len(fit.mean)}, same_radius {fit.same_radius:.2f}, "
+        f"spread {fit.spread:.2f}")  # fmt: skip
+    gal = make_gallery(g, gy, names, model.config.temperature, 10, fit, a.world_tpr)
+    test = load_raw(cfg.dataset, "test", cfg.data_dir)
+    base_ids = [raw.class_names.index(n) for n in names]
+    novel_ids = [c for c in range(len(raw.class_names)) if c not in base_ids]
+    if a.split == "val":
+        src, id_pos = raw, data.val.positions
+        near_pos = np.nonzero(np.isin(raw.targets, novel_ids))[0]
+    else:
+        src, id_pos = test, np.nonzero(np.isin(test.targets, base_ids))[0]
+        near_pos = np.nonzero(np.isin(test.targets, novel_ids))[0]
+    rng = np.random.default_rng(a.seed)
+    id_pos = id_pos[rng.permutation(len(id_pos))[: a.known]]
+    near_pos = near_pos[rng.permutation(len(near_pos))[: a.known]]
+
+    def u8(positions):
+        return torch.stack([src.source.get(int(i)) for i in positions])
+
+    x_id = u8(id_pos)
+    sets: dict[str, torch.Tensor] = {}
+    if len(near_pos):
+        sets["near: held-out classes"] = u8(near_pos)
+    gen = torch.Generator().manual_seed(a.seed)
+    base = x_id[torch.randperm(len(x_id), generator=gen)[: a.per]]
+    for fam in outliers.FAMILIES:
+        tag = "held out" if fam in outliers.HELD_OUT else "trained" if a.oe else "generated"
+        sets[f"{fam} ({tag})"] = outliers.FAMILIES[fam](base.clone(), gen)
+    far = far_ood_images(np.asarray(x_id[:, 0]), a.per, a.seed)
+    sets["digits (scikit-learn)"] = torch.from_numpy(far["digits"]).unsqueeze(1)
+    if model.config.in_channels == 1:
+        sets.update(photo_sets(model.config, a.seed))
+    true_names = [raw.class_names[t] for t in src.targets[id_pos]]
+
+    def judge(x):
+        v, st = vectors_and_stats(model, x)
+        res = []
+        for s0 in range(0, len(v), 1000):
+            res += gal.classify(v[s0 : s0 + 1000].contiguous(), a.vote, 30, None, False,
+                                st[s0 : s0 + 1000].numpy())  # fmt: skip
+        th = gal.thresholds(a.tpr)
+        label_ok = np.array([c.unknown_score is None or c.unknown_score >= th[c.label_id]
+                             for c in res])  # fmt: skip
+        world_ok = np.array([c.world.ok for c in res])
+        scores = np.array([-2.0 if c.unknown_score is None else c.unknown_score for c in res])
+        return res, label_ok, world_ok, scores
+
+    res_id, lab_id, wor_id, s_id = judge(x_id)
+    top1 = float(np.mean([c.label == t for c, t in zip(res_id, true_names, strict=True)]))
+    out = {
+        "run": str(a.run), "split": a.split, "world": how, "world_tpr": a.world_tpr,
+        "tpr": a.tpr, "vote": a.vote, "known": len(x_id), "top1": top1,
+        "known_accepted": {"label": float(lab_id.mean()), "world": float(wor_id.mean()),
+                           "both": float((lab_id & wor_id).mean())},
+        "flagged": {},
+    }  # fmt: skip
+    log(f"known ({a.split}, {len(x_id)}): top-1 {100 * top1:.2f}%, accepted by the label check "
+        f"{100 * lab_id.mean():.1f}%, the world check {100 * wor_id.mean():.1f}%, both "
+        f"{100 * (lab_id & wor_id).mean():.1f}%")  # fmt: skip
+    for name, x in sets.items():
+        _, lab, wor, s = judge(x)
+        flagged = ~(lab & wor)
+        out["flagged"][name] = {
+            "n": len(x),
+            "both": float(flagged.mean()),
+            "label": float((~lab).mean()),
+            "world": float((~wor).mean()),
+        }
+        if name.startswith("near"):
+            out["near_auroc_label_score"] = auroc(s_id, s)
+            out["near_fpr95_label_score"] = fpr_at(s_id, s)
+        log(f"{name:32s} flagged unknown {100 * flagged.mean():5.1f}% (label check "
+            f"{100 * (~lab).mean():5.1f}%, world check {100 * (~wor).mean():5.1f}%)")  # fmt: skip
+    if model.config.in_channels == 1:
+        out["registration"] = register_photos(a, model, gal)
+    return out
+
+
+def register_photos(a, model, gal) -> dict:
+    """Point 3 of issue 28: five crops of one photo of a cup registered as "coffee"; 60 other
+    crops of the cup (mirrored at random) and the unrelated photos classified."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "service"))
+    from photos import CUP_BOX, crops, photo
+
+    from embedding.transforms import eval_geometry
+
+    geo = eval_geometry(model.config)
+    cup = photo("coffee")
+    sub = make_sub(gal)
+    v, st = vectors_and_stats(model, torch.stack([geo(c) for c in crops(cup, 5, 1, CUP_BOX)]))
+    add_label(sub, "coffee", v.numpy(), st.numpy())
+    c_id = sub.stats.ids["coffee"]
+
+    def ask(x):
+        v, st = vectors_and_stats(model, x)
+        res = sub.classify(v, a.vote, 30, None, False, st.numpy())
+        th = sub.thresholds(a.tpr)
+        ok = [(c.unknown_score is None or c.unknown_score >= th[c.label_id]) and c.world.ok
+              for c in res]  # fmt: skip
+        return [c.label_id for c in res], np.array(ok)
+
+    lab, ok = ask(torch.stack([geo(c) for c in crops(cup, 60, 2, CUP_BOX, flip=True)]))
+    won = float(np.mean([(c == c_id) and k for c, k in zip(lab, ok, strict=True)]))
+    other = photo_sets(model.config, a.seed + 100)
+    strangers = torch.cat([other["photos"][::4], other["portraits"][:10]])
+    lab2, ok2 = ask(strangers)
+    res = {"cup_won_and_known": won, "unrelated_known": float(ok2.mean()),
+           "unrelated_answered_coffee": float(np.mean([c == c_id for c in lab2])),
+           "unrelated": len(strangers)}  # fmt: skip
+    log(f"registration: 5 crops of a cup as 'coffee': other cup crops won and known "
+        f"{100 * won:.0f}%; {len(strangers)} unrelated photos known {100 * ok2.mean():.0f}% "
+        f"(answered 'coffee' {100 * res['unrelated_answered_coffee']:.0f}%)")  # fmt: skip
+    return res
+
+
 def cost(a) -> dict:
     """What the open-set score adds to the service's hot path: the compiled kde call (batch
     `--batch` against `--items` unit rows in 10 labels) and, inside it, the score alone
@@ -461,6 +637,19 @@ def main(argv: list[str] | None = None) -> int:
                    "held-out class (0: no)")  # fmt: skip
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", type=Path)
+    w = sub.add_parser("world", help="both checks together (issue 28): families, photos, "
+                       "known images, near OOD, a registered photo label")  # fmt: skip
+    w.add_argument("run", type=Path)
+    w.add_argument("--split", choices=("val", "test"), default="val")
+    w.add_argument("--vote", default="kde_shrunk")
+    w.add_argument("--tpr", type=float, default=0.95, help="the label check's rate")
+    w.add_argument("--world-tpr", type=float, default=0.99, help="the world check's rate")
+    w.add_argument("--known", type=int, default=5000, help="known (and near-OOD) queries")
+    w.add_argument("--per", type=int, default=500, help="inputs per generated family")
+    w.add_argument("--oe", action="store_true", help="the run was trained with outlier "
+                   "exposure (labels the trained families in the table)")  # fmt: skip
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--json", type=Path)
     c = sub.add_parser("cost", help="what the open-set score adds to the compiled kde call")
     c.add_argument("--items", type=int, default=55000)
     c.add_argument("--batch", type=int, default=64)
@@ -471,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if getattr(a, "alpha", None) is not None:
         KdeShrunk.alpha = a.alpha
-    out = {"overlap": overlap, "ood": ood, "cost": cost}[a.cmd](a)
+    out = {"overlap": overlap, "ood": ood, "cost": cost, "world": world}[a.cmd](a)
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
     return 0

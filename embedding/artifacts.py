@@ -133,8 +133,11 @@ def model_fingerprint(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
 
 
 # ---------------------------------------------------------------------------- model
-def save_model(model: EmbeddingNet, directory: str | os.PathLike) -> str:
-    """Write model.safetensors + model.json into `directory`; return the fingerprint."""
+def save_model(
+    model: EmbeddingNet, directory: str | os.PathLike, training: dict | None = None
+) -> str:
+    """Write model.safetensors + model.json into `directory`; return the fingerprint.
+    `training`: how it was trained (the card records it; not part of the fingerprint)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -146,6 +149,8 @@ def save_model(model: EmbeddingNet, directory: str | os.PathLike) -> str:
         "fingerprint": fp,
         "weights": MODEL_WEIGHTS,
     }
+    if training is not None:
+        card["training"] = training
     atomic_write_json(directory / MODEL_CARD, card)
     return fp
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from .errors import ArtifactError
 
-STORE_SCHEMA_VERSION = 4
-# Version 1 lacks items.thumbnail, 2 the log table, 3 log.token: read as is, upgraded by
-# `migrate_store`.
-READABLE_SCHEMAS = ("1", "2", "3", "4")
+STORE_SCHEMA_VERSION = 5
+# Version 1 lacks items.thumbnail, 2 the log table, 3 log.token, 4 items.world: read as is,
+# upgraded by `migrate_store`.
+READABLE_SCHEMAS = ("1", "2", "3", "4", "5")
 SOURCES = ("trained", "added")
 
 _SCHEMA = (
@@ -42,6 +42,7 @@ CREATE TABLE items (
     image       BLOB,                    -- the uploaded image (added items, size-capped)
     image_type  TEXT,                    -- its MIME type
     thumbnail   BLOB,                    -- small PNG/JPEG preview (embedding/thumbnails.py), or NULL
+    world       BLOB,                    -- added items: embedding/world.py statistics, float32
     add_seq     INTEGER NOT NULL DEFAULT 0,  -- write that added it (0: part of the built index)
     deleted_seq INTEGER                  -- write that deleted it; NULL while live
 );
@@ -156,7 +157,8 @@ def migrate_store(conn: sqlite3.Connection) -> bool:
     1 -> 2: items.thumbnail (NULL for existing items). 2 -> 3: the change log (empty; its floor
     is the last write so far, whose history lives only in items.add_seq/deleted_seq).
     3 -> 4: log.token (NULL for the writes before: a snapshot taken at one of them is not
-    trusted, and start-up replays from the built index once)."""
+    trusted, and start-up replays from the built index once). 4 -> 5: items.world (NULL for
+    the items added before: a label of them has no world of its own until images are added)."""
     version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
     if version == str(STORE_SCHEMA_VERSION):
         return False
@@ -172,6 +174,8 @@ def migrate_store(conn: sqlite3.Connection) -> bool:
             )
         elif int(version) < 4:
             conn.execute("ALTER TABLE log ADD COLUMN token TEXT")
+        if int(version) < 5:
+            conn.execute("ALTER TABLE items ADD COLUMN world BLOB")
         conn.execute(
             "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(STORE_SCHEMA_VERSION),)
         )

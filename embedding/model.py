@@ -118,12 +118,19 @@ def space_dim(model: EmbeddingNet, space: str) -> int:
     """Vector length of `space` for this model (one forward of a blank image)."""
     if space == "embedding":
         return model.config.embedding_dim
+    return blank_width(model, in_space(model, space))
+
+
+def blank_width(model: EmbeddingNet, fn) -> int:
+    """The width of fn(x) (its first output if a tuple) for one blank image of the model's
+    size, in eval mode: how long the vectors of a module built on `model` are."""
     c, s = model.config.in_channels, model.config.image_size
     was = model.training
     model.eval()
     try:
         with torch.no_grad():
             x = torch.zeros(1, c, s, s, device=next(model.parameters()).device)
-            return int(in_space(model, space)(x).shape[1])
+            out = fn(x)
+            return int((out[0] if isinstance(out, tuple) else out).shape[1])
     finally:
         model.train(was)

@@ -2,7 +2,8 @@
 
 The score is deep nearest-neighbour OOD detection (Sun, Ming, Zhu, Li, ICML 2022) made
 label-conditional: on unit vectors, the similarity of the query to the k_c-th nearest item of
-the label the vote chose, k_c = min(k, n_c). Sun et al. take the k-th nearest item of the whole
+the label the vote chose, k_c = min(k, n_c - 1) (at least 1: the statistic the calibration takes of
+each of the label's items among the others). Sun et al. take the k-th nearest item of the whole
 training set; conditioning on the chosen label keeps the score meaningful for a label registered
 from fewer than k images (its k-th nearest item overall belongs to another label) and makes the
 calibration of one label independent of every other label, so a write recalibrates only the

@@ -147,6 +147,7 @@ class RunDir:
     CURVES = "curves.png"
     SUMMARY = "summary.json"
     CHECKPOINT = "checkpoint.safetensors"
+    WORLD = "world.safetensors"  # embedding/world.py: the world check's Gaussian (since issue 28)
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -165,6 +166,7 @@ class RunDir:
     curves = _named(CURVES)
     summary = _named(SUMMARY)
     checkpoint = _named(CHECKPOINT)
+    world = _named(WORLD)
 
     # ------------------------------------------------------------------ checks
     def require(self, *names: str) -> None:

@@ -34,6 +34,7 @@ from embedding.index import (
 from embedding.model import SPACES, in_space, space_dim
 from embedding.progress import Progress, track
 from embedding.rundir import RunDir
+from embedding.world import WORLD_FILE
 
 SOURCES = ("memory", "recompute")
 DEVICES = ("auto", "cpu", "cuda")
@@ -132,6 +133,48 @@ def recompute_embeddings(cfg: BuildConfig, model, dataset_indices: np.ndarray, l
             progress=bar,
         )
     return emb.cpu().numpy().astype(np.float32)
+
+
+def world_statistics(cfg: BuildConfig, model, vec: Vectors, log):
+    """The world check's Gaussian (embedding/world.py) for the index dir: the run dir's own
+    (written by snca-train since issue 28: calibrated on validation images), else fitted here
+    on the run's training images (80% fit, 20% calibration: images the model was trained on, so
+    the thresholds accept somewhat fewer held-out images than asked; docs/RESULTS.md). None
+    when the training images cannot be read (the service then serves without the world check)."""
+    from embedding import world
+    from embedding.device import resolve_device
+
+    run = RunDir(cfg.run_dir)
+    if run.world.is_file():
+        return world.load(run.world, model.fingerprint)
+    try:
+        raw = _train_raw(cfg, log)
+        _check_indices(raw, vec.dataset_indices)
+    except SNCAError as e:
+        log(f"world statistics: not computed ({e}); the service will serve without them")
+        return None
+    rng = np.random.default_rng(cfg.seed)
+    order = rng.permutation(len(vec.dataset_indices))
+    cut = int(0.8 * len(order))
+    fit_rows, cal_rows = order[:cut][:20000], order[cut:][:5000]
+    log(
+        f"world statistics (the run dir has none: trained before them): fitting on "
+        f"{len(fit_rows)} training images, calibrating on {len(cal_rows)}"
+    )
+    device = resolve_device("cpu" if cfg.device == "cpu" else "auto")
+    total = len(fit_rows) + len(cal_rows)
+    with Progress(total, "world statistics", "img", enabled=cfg.progress) as bar:
+        return world.fit_from_images(
+            model.to(device),
+            raw.source,
+            vec.dataset_indices[fit_rows],
+            vec.dataset_indices[cal_rows],
+            vec.label_ids[cal_rows],
+            device,
+            cfg.batch_size,
+            progress=bar,
+            seed=cfg.seed,
+        )
 
 
 def make_thumbnails(cfg: BuildConfig, dataset_indices: np.ndarray, log) -> list:
@@ -451,6 +494,7 @@ def current_build(cfg: BuildConfig) -> IndexManifest | None:
         == (cfg.factory, cfg.source, cfg.space, cfg.thumbnails)
         and all(m.search_params.get(k) == v for k, v in wanted.items() if v is not None)
         and all((Path(cfg.out) / name).is_file() for name in m.files)
+        and m.build.get("world") is not None  # (built before the world check: built again)
     )
     return m if same else None
 
@@ -486,6 +530,9 @@ def build(cfg: BuildConfig, log=_say) -> IndexManifest:
     resolve_device(cfg.device)  # fail early on --device cuda without a GPU build
     check_run_dir(cfg)
     vec, model = load_vectors(cfg, log)
+    t_world = time.perf_counter()
+    world_fit = world_statistics(cfg, model, vec, log)
+    t_world = time.perf_counter() - t_world
     n = len(vec.embeddings)
     ids = np.arange(n, dtype=np.int64)  # id = memory-bank row; the service allocates above
     index, params, info = make_index(vec, cfg, ids, log)
@@ -496,6 +543,10 @@ def build(cfg: BuildConfig, log=_say) -> IndexManifest:
     stage.mkdir()
     try:
         faiss.write_index(index, str(stage / INDEX_FILE))
+        if world_fit is not None:
+            from embedding import world
+
+            world.save(world_fit, stage, model.fingerprint)
         names = model.config.class_names
         try:
             dataset = RunDir(cfg.run_dir).read_provenance().dataset
@@ -540,10 +591,23 @@ def build(cfg: BuildConfig, log=_say) -> IndexManifest:
             dataset=dataset,
             run_dir=str(cfg.run_dir),
             created_at=utc_now(),
-            build={**info, "seconds": time.perf_counter() - t_start, "faiss": faiss.__version__},
+            build={
+                **info,
+                "seconds": time.perf_counter() - t_start,
+                "world": (
+                    "unavailable"
+                    if world_fit is None
+                    else "run dir"
+                    if RunDir(cfg.run_dir).world.is_file()
+                    else "fitted at build"
+                ),
+                "world_seconds": round(t_world, 2),
+                "faiss": faiss.__version__,
+            },
             files={
                 name: {"sha256": sha256_file(stage / name), "bytes": (stage / name).stat().st_size}
-                for name in (INDEX_FILE, STORE_FILE)
+                for name in (INDEX_FILE, STORE_FILE, WORLD_FILE)
+                if (stage / name).is_file()
             },
         )
         write_manifest(stage, manifest)

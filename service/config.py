@@ -62,6 +62,14 @@ class Settings(BaseSettings):
         description="open-set: 'unknown' when the score is under the threshold that accepts this "
         "share of the gallery's own items (leave-one-out, per label; 0 turns it off)",
     )
+    world_tpr: float = Field(
+        0.99,
+        ge=0.0,
+        lt=1.0,
+        description="the world check (is this the kind of image a label holds): a trained "
+        "label's threshold accepts this share of held-out known images (0 turns the check off; "
+        "registered labels are checked against their own images)",
+    )
     unknown_k: int = Field(
         10,
         ge=1,

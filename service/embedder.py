@@ -124,12 +124,25 @@ class Embedder:
     """The model in eval mode with its eval transform (both from the model card)."""
 
     def __init__(
-        self, model: EmbeddingNet, device: torch.device, amp: bool = True, space="embedding"
+        self,
+        model: EmbeddingNet,
+        device: torch.device,
+        amp: bool = True,
+        space="embedding",
+        world: bool = False,
     ):
+        """`world`: every forward also gives the world statistics (embedding/world.py): rows
+        of [vector (dim) | statistics (world_dim)]; `split` takes them apart."""
         try:
             self.model = in_space(model.to(device).eval(), space).eval()  # embedding.model
         except ValueError as e:
             raise ArtifactError(str(e)) from None
+        self.world_dim = 0
+        if world:
+            from embedding.world import WorldNet, stats_dim
+
+            self.world_dim = stats_dim(model)
+            self.model = WorldNet(model, space).eval()
         self.space = space
         self.device = device
         self.amp = amp
@@ -215,6 +228,16 @@ class Embedder:
         for i, p in enumerate(pixels):
             flat[i * n : (i + 1) * n] = memoryview(p).cast("B")
         return t
+
+    def split(self, rows):
+        """Forward rows (n, dim [+ world_dim]) -> (vectors (n, dim), statistics (n, D) or
+        None), numpy or torch as given; the vectors contiguous."""
+        if not self.world_dim:
+            return rows, None
+        v, s = rows[:, : self.dim], rows[:, self.dim :]
+        if isinstance(rows, torch.Tensor):
+            return v.contiguous(), s.numpy()
+        return np.ascontiguousarray(v), np.ascontiguousarray(s)
 
     def embed(self, batch: torch.Tensor) -> np.ndarray:
         """(B, C, H, W) uint8 images from `preprocess` (or already normalised floats)

@@ -295,7 +295,9 @@ def _write(state, ready: list) -> int:
     if not ready:
         return 0
     s = state.settings
-    emb = state.runtime.embed_pixels([p.pixels for _, p, _ in ready])  # (n, d)
+    emb, stats = state.runtime.embedder.split(
+        state.runtime.embed_pixels([p.pixels for _, p, _ in ready])
+    )  # (n, d), (n, D) or None
     by_label: dict[str, list[int]] = {}
     for i, (e, _, _) in enumerate(ready):
         by_label.setdefault(e.label, []).append(i)
@@ -305,7 +307,14 @@ def _write(state, ready: list) -> int:
             (p.data, p.mime) if s.store_images and len(p.data) <= s.max_stored_image_bytes else None
             for p in ps
         ]
-        state.add(label, emb[rows], [ready[i][2] for i in rows], stored, [p.thumbnail for p in ps])
+        state.add(
+            label,
+            emb[rows],
+            [ready[i][2] for i in rows],
+            stored,
+            [p.thumbnail for p in ps],
+            None if stats is None else stats[rows],
+        )
     return len(ready)
 
 

@@ -77,9 +77,9 @@ CREATE TABLE IF NOT EXISTS uncarried (
 );
 """
 
-# (stored items) -> (embeddings (n_ok, d) float32 of those that worked, one error per item:
-# None where it worked, else why not)
-Embed = Callable[[list[StoredItem]], tuple[np.ndarray, list[str | None]]]
+# (stored items) -> (embeddings (n_ok, d) float32 of those that worked, their world statistics
+# (n_ok, D) or None, one error per item: None where it worked, else why not)
+Embed = Callable[[list[StoredItem]], tuple[np.ndarray, np.ndarray | None, list[str | None]]]
 
 CATCH_UP_ROUNDS = 8  # rounds outside the old store's write lock before the last one inside it
 RELEASE_POLL_S = 0.1  # how often to look whether other processes let go of the old store
@@ -519,15 +519,18 @@ class Migration:
         renumber = report.renumbered
 
         def write(conn, seq, ok=ok, failed=failed, renumber=renumber):
-            ids = allocate_ids(conn, len(ok)) if renumber else [it.id for it, _ in ok]
+            ids = allocate_ids(conn, len(ok)) if renumber else [it.id for it, _, _ in ok]
             insert_items(
                 conn,
-                [replace(it, id=i, embedding=e) for (it, e), i in zip(ok, ids, strict=True)],
+                [
+                    replace(it, id=i, embedding=e, world=w)
+                    for (it, e, w), i in zip(ok, ids, strict=True)
+                ],
                 seq,
             )
             conn.executemany(
                 "INSERT INTO carried (old_id, new_id) VALUES (?, ?)",
-                [(it.id, i) for (it, _), i in zip(ok, ids, strict=True)],
+                [(it.id, i) for (it, _, _), i in zip(ok, ids, strict=True)],
             )
             conn.executemany(
                 "INSERT INTO uncarried (old_id, label, reason) VALUES (?, ?, ?)",
@@ -542,10 +545,11 @@ class Migration:
 
     def _embed(
         self, items: list[StoredItem]
-    ) -> tuple[list[tuple[StoredItem, bytes]], list[tuple[int, str, str]]]:
-        """(item, its new embedding bytes) for those carried, (old id, label, why) for the rest."""
-        if self.plan.reuse:
-            return [(it, it.embedding) for it in items], []
+    ) -> tuple[list[tuple[StoredItem, bytes, bytes | None]], list[tuple[int, str, str]]]:
+        """(item, its new embedding bytes, its world statistics bytes) for those carried,
+        (old id, label, why) for the rest."""
+        if self.plan.reuse:  # the same model: the statistics stay valid too
+            return [(it, it.embedding, it.world) for it in items], []
         with_image = [it for it in items if it.image is not None]
         failed = [
             (it.id, it.label, "no stored image (added with SNCA_STORE_IMAGES off, or too large)")
@@ -554,17 +558,21 @@ class Migration:
         ]
         ok = []
         if with_image:
-            emb, errors = self.embed(with_image)
+            emb, stats, errors = self.embed(with_image)
             rows = iter(np.ascontiguousarray(emb, dtype="<f4"))
+            worlds = iter(np.ascontiguousarray(stats, dtype="<f4")) if stats is not None else None
             for it, err in zip(with_image, errors, strict=True):
                 if err is None:
-                    ok.append((it, next(rows).tobytes()))
+                    w = next(worlds).tobytes() if worlds is not None else None
+                    ok.append((it, next(rows).tobytes(), w))
                 else:
                     failed.append((it.id, it.label, f"the stored image cannot be read: {err}"))
         return ok, failed
 
 
-_ITEM_COLUMNS = "id, label, source, metadata, created_at, embedding, image, image_type, thumbnail"
+_ITEM_COLUMNS = (
+    "id, label, source, metadata, created_at, embedding, image, image_type, thumbnail, world"
+)
 
 
 def _changes(conn, after: int):

@@ -66,6 +66,7 @@ CREATE TABLE items (
     image       BYTEA,
     image_type  TEXT,
     thumbnail   BYTEA,
+    world       BYTEA,
     add_seq     BIGINT  NOT NULL DEFAULT 0,
     deleted_seq BIGINT
 );
@@ -81,9 +82,12 @@ CREATE TABLE log (
 );
 """
 # Schema upgrades of an existing database, from the version in meta (run under SEED_LOCK).
-_UPGRADES = {"3": ["ALTER TABLE log ADD COLUMN IF NOT EXISTS token TEXT"]}
+_UPGRADES = {
+    "3": ["ALTER TABLE log ADD COLUMN IF NOT EXISTS token TEXT"],
+    "4": ["ALTER TABLE items ADD COLUMN IF NOT EXISTS world BYTEA"],
+}
 
-_COLUMNS = "id, label, source, metadata, created_at, embedding, image, image_type, thumbnail"
+_COLUMNS = "id, label, source, metadata, created_at, embedding, image, image_type, thumbnail, world"
 
 
 def is_postgres_url(s: str | Path | None) -> bool:
@@ -303,12 +307,15 @@ class PostgresStore:
     def live_items(self, after_seq: int = -1, upto: int | None = None) -> list[Item]:
         rows = self._run(
             lambda c: c.execute(
-                "SELECT id, label, source, embedding, add_seq FROM items "
+                "SELECT id, label, source, embedding, add_seq, world FROM items "
                 "WHERE deleted_seq IS NULL AND add_seq > %s AND add_seq <= %s ORDER BY id",
                 (after_seq, upto if upto is not None else 2**62),
             ).fetchall()
         )
-        return [Item(r[0], r[1], r[2], None, _vec(r[3]), r[4]) for r in rows]
+        return [
+            Item(r[0], r[1], r[2], None, _vec(r[3]), r[4], None if r[5] is None else _vec(r[5]))
+            for r in rows
+        ]
 
     def deleted_after(self, seq: int) -> list[tuple[int, str, np.ndarray, int]]:
         rows = self._run(
@@ -434,14 +441,17 @@ class PostgresStore:
                     ).fetchall()
                 )
                 rows = conn.execute(
-                    "SELECT id, label, source, embedding, add_seq, deleted_seq FROM items "
+                    "SELECT id, label, source, embedding, add_seq, deleted_seq, world FROM items "
                     "WHERE add_seq > %s OR deleted_seq > %s ORDER BY id",
                     (after, after),
                 ).fetchall()
             return meta, rows
 
         meta, rows = self._follow(fn)
-        rows = [(r[0], r[1], r[2], bytes(r[3]), r[4], r[5]) for r in rows]
+        rows = [
+            (r[0], r[1], r[2], bytes(r[3]), r[4], r[5], None if r[6] is None else bytes(r[6]))
+            for r in rows
+        ]
         return ChangeSet(
             int(meta["last_seq"]), int(meta.get("log_floor", 0)), changes_from_rows(rows, after)
         )
@@ -510,6 +520,7 @@ class PostgresStore:
         metadata: list[dict | None],
         images: list[tuple[bytes, str] | None],
         thumbnails: list[bytes | None] | None = None,
+        worlds: np.ndarray | None = None,
     ) -> tuple[int, list[int]]:
         now = utc_now()
 
@@ -523,11 +534,11 @@ class PostgresStore:
             conn.execute(
                 "UPDATE meta SET value = %s WHERE key = 'next_id'", (str(next_id + len(ids)),)
             )
-            rows = new_items(ids, label, embeddings, metadata, images, thumbnails, now)
+            rows = new_items(ids, label, embeddings, metadata, images, thumbnails, now, worlds)
             with conn.cursor() as cur:
                 cur.executemany(
                     f"INSERT INTO items ({_COLUMNS}, add_seq) "
-                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                     [(*dataclasses.astuple(r), seq) for r in rows],
                 )
             return ids
@@ -571,11 +582,13 @@ def _copy_seed(conn, seed: Path) -> int:
     try:
         meta = dict(src.execute("SELECT key, value FROM meta"))
         n = 0
+        have = {r[1] for r in src.execute("PRAGMA table_info(items)")}
+        # (an index dir built before a column existed: its trained items have none)
+        cols = ", ".join(c if c in have else f"NULL AS {c}" for c in _COLUMNS.split(", "))
         with conn.cursor().copy(
             f"COPY items ({_COLUMNS}, add_seq, deleted_seq) FROM STDIN"
         ) as copy:
-            cols = f"{_COLUMNS}, add_seq, deleted_seq"
-            for row in src.execute(f"SELECT {cols} FROM items ORDER BY id"):
+            for row in src.execute(f"SELECT {cols}, add_seq, deleted_seq FROM items ORDER BY id"):
                 copy.write_row(row)
                 n += 1
     finally:

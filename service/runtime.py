@@ -73,11 +73,13 @@ class ModelRuntime:
         self.info: ModelInfo = self.batcher.call(self._prepare_model)
 
     @classmethod
-    def start(cls, settings: Settings, model, space: str, on_batch=None) -> ModelRuntime:
-        """`model` (an EmbeddingNet) on the settings' device, serving vectors of `space`."""
-        return cls(
-            settings, Embedder(model, resolve_device(settings.device), space=space), on_batch
-        )
+    def start(
+        cls, settings: Settings, model, space: str, on_batch=None, world: bool = False
+    ) -> ModelRuntime:
+        """`model` (an EmbeddingNet) on the settings' device, serving vectors of `space` (and
+        with `world` the world statistics beside them)."""
+        device = resolve_device(settings.device)
+        return cls(settings, Embedder(model, device, space=space, world=world), on_batch)
 
     def _prepare_model(self) -> ModelInfo:
         """On the model thread, which runs every forward."""
@@ -165,9 +167,10 @@ class ModelRuntime:
                 release_free_memory()  # back to the OS, not kept for the next request
         return out
 
-    def embed_stored(self, images: list[bytes]) -> tuple[np.ndarray, list[str | None]]:
-        """Embed stored images (a migration re-embedding the gallery), blocking: (n_ok, d)
-        float32 for those that decode, and per image None or why it could not be read."""
+    def embed_stored(self, images: list[bytes]):
+        """Embed stored images (a migration re-embedding the gallery), blocking: (vectors
+        (n_ok, d) float32, world statistics (n_ok, D) or None) for those that decode, and per
+        image None or why it could not be read."""
         pixels, errors = [], []
         for i, data in enumerate(images):
             try:
@@ -175,11 +178,12 @@ class ModelRuntime:
                 errors.append(None)
             except ImageError as e:
                 errors.append(e.message)
-        return self.embed_pixels(pixels), errors
+        emb, stats = self.embedder.split(self.embed_pixels(pixels))
+        return emb, stats, errors
 
     def embed_pixels(self, pixels: list[np.ndarray]) -> np.ndarray:
-        """Prepared pixels (Prepared.pixels) -> (n, d) float32 embeddings, blocking, through
-        the model thread max_batch at a time (what /gallery/add's images get)."""
+        """Prepared pixels (Prepared.pixels) -> (n, d [+ D]) float32 rows (Embedder.split
+        takes them apart), blocking, through the model thread max_batch at a time."""
         out = []
         step = self.settings.max_batch
         for s in range(0, len(pixels), step):
@@ -191,7 +195,7 @@ class ModelRuntime:
                     )
                 )
             )
-        d = self.embedder.dim
+        d = self.embedder.dim + self.embedder.world_dim
         return np.concatenate(out) if out else np.zeros((0, d), np.float32)
 
     # ------------------------------------------------------------------ batches
@@ -201,7 +205,8 @@ class ModelRuntime:
         # Under load every call that releases the GIL waits for the event loop to give it
         # back, so the common batch (classify jobs with the same parameters) makes three such
         # calls: the queue's wake-up, the forward pass and the vote (docs/PERFORMANCE.md).
-        emb = self.embedder.forward(self.embedder.stack_pixels([j.pixels for j in jobs]))  # (B, d)
+        rows = self.embedder.forward(self.embedder.stack_pixels([j.pixels for j in jobs]))
+        emb, stats = self.embedder.split(rows)  # (B, d), (B, D) or None
         out: list = [None] * len(jobs)
         groups: dict[tuple, list[int]] = {}
         embeds: list[int] = []
@@ -210,15 +215,17 @@ class ModelRuntime:
                 groups.setdefault(j.params, []).append(i)
             else:
                 embeds.append(i)
-        if embeds:  # gallery adds: numpy rows
-            rows = emb.numpy()
+        if embeds:  # gallery adds: numpy rows [vector | statistics]
+            full = rows.numpy()
             for i in embeds:
-                out[i] = rows[i].copy()  # its own memory, not a view holding the batch
+                out[i] = full[i].copy()  # its own memory, not a view holding the batch
         if groups and self.gallery is None:
             raise RuntimeError("the gallery is not loaded yet")
         for (vote, k, labels, neighbors), idx in groups.items():
-            q = emb if len(idx) == len(jobs) else emb[idx]
-            res = self.gallery.classify(q, vote, k, list(labels) if labels else None, neighbors)
+            whole = len(idx) == len(jobs)
+            q = emb if whole else emb[idx]
+            s = None if stats is None else stats if whole else stats[idx]
+            res = self.gallery.classify(q, vote, k, list(labels) if labels else None, neighbors, s)
             for i, r in zip(idx, res, strict=True):
                 out[i] = r
         return out
@@ -229,4 +236,5 @@ class ModelRuntime:
         return await self.batcher.submit(Job("classify", p.pixels, (vote, k, labels, neighbors)))
 
     async def embed(self, p: Prepared) -> np.ndarray:
+        """The upload's row [vector | world statistics] (Embedder.split takes it apart)."""
         return await self.batcher.submit(Job("embed", p.pixels))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 
@@ -27,14 +29,39 @@ class ClassifyResult(BaseModel):
     probabilities: list[Probability] = Field(..., description="top 5 labels")
     unknown: bool = Field(
         ...,
-        description="nothing in the gallery is like this image: its unknown_score is under the "
-        "label's unknown_threshold (or, if set, best_similarity under SNCA_UNKNOWN_SIMILARITY or "
+        description="nothing in the gallery is like this image: it is not of the chosen label's "
+        "world (world_score over world_threshold), or its unknown_score is under the label's "
+        "unknown_threshold (or, if set, best_similarity under SNCA_UNKNOWN_SIMILARITY or "
         "confidence under SNCA_UNKNOWN_PROBABILITY); false with unknown=off",
+    )
+    unknown_reason: Literal["outside_world", "no_label_accepts"] | None = Field(
+        None,
+        description="why the image is unknown: outside_world (not the kind of image the "
+        "chosen label holds: the world check), no_label_accepts (of that kind, but no label's "
+        "neighbourhood takes it: the label check); null when it is not unknown",
+    )
+    world_score: float | None = Field(
+        None,
+        description="the world check's distance: for a trained label, the Mahalanobis distance "
+        "per dimension of the image's activation statistics from the training images' (about 1 "
+        "for the training world, larger farther from it); for a label users registered, the "
+        "same distance to its nearest image of the label; null when there is no world check",
+    )
+    world_threshold: float | None = Field(
+        None,
+        description="the distance over which the image is outside the world: for a trained "
+        "label, the quantile that accepts SNCA_WORLD_TPR of held-out known images; for a "
+        "registered label, a radius from its own images' spread",
+    )
+    world_basis: Literal["training", "label"] | None = Field(
+        None,
+        description="what the world check compared with: the training world, or the label's "
+        "own images",
     )
     unknown_score: float | None = Field(
         None,
         description="open-set score (Sun et al. 2022, label-conditional): cosine similarity to "
-        "the k-th most similar item of `label`, k = min(SNCA_UNKNOWN_K, the label's items)",
+        "the k-th most similar item of `label`, k = min(SNCA_UNKNOWN_K, the label's items - 1)",
     )
     unknown_threshold: float | None = Field(
         None,
@@ -122,6 +149,12 @@ class LabelDiagnostics(BaseModel):
     )
     outliers: list[OutlierInfo] = Field(
         default_factory=list, description="checked images that sit with another label"
+    )
+    outside_world: float | None = Field(
+        None,
+        description="share of the images just added that are not the kind of image the model "
+        "was trained on (the world check); such a label is recognised by its own images' world; "
+        "null when not checked",
     )
     warnings: list[str] = Field(
         default_factory=list,

@@ -27,6 +27,8 @@ from embedding.errors import ArtifactError
 from embedding.index import IndexDir, open_index_dir
 from embedding.progress import Progress
 from embedding.rundir import RunDir
+from embedding.world import WORLD_FILE, WorldFit
+from embedding.world import load as load_world_fit
 
 from .config import Settings
 from .datadir import DataDir
@@ -53,13 +55,33 @@ class Opening:
     data: DataDir
     plan: Plan | None
     adopted: Path | None  # a store found at the old default place and copied into the data dir
+    world: WorldFit | None = None  # the world check's Gaussian (None: no world check)
+
+
+def load_world(settings: Settings, ix: IndexDir, fingerprint: str) -> WorldFit | None:
+    """The index dir's world statistics (embedding/world.py), or None: none there (an index
+    built before them: rebuild it to get the world check), or the check turned off."""
+    path = ix.path / WORLD_FILE
+    if settings.world_tpr <= 0:
+        return None
+    if not path.is_file():
+        log.warning(
+            "the index dir %s has no world statistics (built before the world check): serving "
+            "without it; snca-build-index builds them",
+            ix.path,
+        )
+        return None
+    return load_world_fit(path, fingerprint)
 
 
 def open_service(settings: Settings, metrics: Metrics) -> Opening:
     model = RunDir(settings.model).load_model()
     ix = open_index_dir(settings.index, expected_fingerprint=model.fingerprint)
     space = ix.manifest.space  # queries are embedded in the space the index was built in
-    runtime = ModelRuntime.start(settings, model, space, _batch_metrics(metrics))
+    world = load_world(settings, ix, model.fingerprint)
+    runtime = ModelRuntime.start(
+        settings, model, space, _batch_metrics(metrics), world=world is not None
+    )
     try:
         if runtime.embedder.dim != ix.dim:
             raise ArtifactError(
@@ -88,7 +110,9 @@ def open_service(settings: Settings, metrics: Metrics) -> Opening:
     except BaseException:
         runtime.close()
         raise
-    return Opening(runtime, ix, model.fingerprint, model.config.temperature, data, p, adopted)
+    return Opening(
+        runtime, ix, model.fingerprint, model.config.temperature, data, p, adopted, world
+    )
 
 
 def _batch_metrics(metrics: Metrics) -> Callable[[int, float], None]:
@@ -122,6 +146,8 @@ def finish_service(
             settings.candidates,
             settings.exact_vote_max,
             settings.unknown_k,
+            o.world,
+            settings.world_tpr,
         )
         g.load_items(loaded.items)
         g.version = loaded.version
@@ -160,6 +186,7 @@ def finish_service(
                 "device": info.device,
                 "model_mode": info.mode,
                 "space": ix.manifest.space,
+                "world_check": g.worlds.enabled,
                 "warmup_s": round(info.warmup_s, 2),
                 "fused_batch_sizes": info.fused_sizes,
                 "torch_threads": info.torch_threads,

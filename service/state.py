@@ -90,11 +90,18 @@ class ServiceState:
 
     # ------------------------------------------------------------------ writes
     def add(
-        self, label: str, emb: np.ndarray, metadata: list, images: list, thumbnails=None
+        self,
+        label: str,
+        emb: np.ndarray,
+        metadata: list,
+        images: list,
+        thumbnails=None,
+        stats: np.ndarray | None = None,
     ) -> tuple[list[int], int]:
+        """Store and apply an add; `stats` (n, D) the images' world statistics, when known."""
         with self.write_lock:
             try:
-                seq, ids = self.store.add(label, emb, metadata, images, thumbnails)
+                seq, ids = self.store.add(label, emb, metadata, images, thumbnails, stats)
             except StoreCarriedAway as e:
                 self._retire(str(e))
                 raise
@@ -103,7 +110,7 @@ class ServiceState:
                 raise
             self.last_write_error = self.follow_error = None  # the store works again
             if self.gallery.version == seq - 1:  # nobody else wrote meanwhile
-                self.gallery.apply_add(ids, label, emb, seq)
+                self.gallery.apply_add(ids, label, emb, seq, stats)
                 self._after_write()
             else:  # another process's writes come first, then this one, from the log
                 self._catch_up_locked()
@@ -151,7 +158,7 @@ class ServiceState:
             if c.seq <= g.version:
                 continue
             if c.op == "add":
-                g.apply_add(c.ids, c.label, c.embeddings, c.seq)
+                g.apply_add(c.ids, c.label, c.embeddings, c.seq, c.worlds)
             else:
                 g.apply_delete(c.rows, c.seq)
             self._after_write()

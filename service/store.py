@@ -76,6 +76,7 @@ class Item:
     metadata: dict | None
     embedding: np.ndarray  # (d,) float32
     add_seq: int = 0
+    world: np.ndarray | None = None  # (D,) float32 world statistics (added items; else None)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class StoredItem:
     image: bytes | None
     image_type: str | None
     thumbnail: bytes | None
+    world: bytes | None = None  # float32 x D, little-endian (embedding/world.py), added items
 
 
 @dataclass
@@ -116,6 +118,7 @@ class Change:
     label: str | None = None
     embeddings: np.ndarray | None = None  # (n, d) float32, adds
     rows: list[tuple[int, str, np.ndarray, str]] | None = None  # deletes
+    worlds: list[np.ndarray | None] | None = None  # adds: each item's world statistics
 
 
 @dataclass
@@ -131,16 +134,17 @@ class ChangeSet:
 
 
 def changes_from_rows(rows, after: int) -> list[Change]:
-    """Changes in seq order from (id, label, source, embedding, add_seq, deleted_seq) rows of
-    the items added or deleted by a write after `after`."""
+    """Changes in seq order from (id, label, source, embedding, add_seq, deleted_seq, world)
+    rows of the items added or deleted by a write after `after`."""
     adds: dict[int, Change] = {}
     dels: dict[int, Change] = {}
-    for item_id, label, source, emb, add_seq, deleted_seq in rows:
+    for item_id, label, source, emb, add_seq, deleted_seq, world in rows:
         v = _vec(emb)
         if add_seq > after:
-            c = adds.setdefault(add_seq, Change(add_seq, "add", [], label, None))
+            c = adds.setdefault(add_seq, Change(add_seq, "add", [], label, None, worlds=[]))
             c.ids.append(item_id)
             c.rows = (c.rows or []) + [(item_id, label, v, source)]
+            c.worlds.append(None if world is None else _vec(world))
         if deleted_seq is not None and deleted_seq > after:
             c = dels.setdefault(deleted_seq, Change(deleted_seq, "delete", [], rows=[]))
             c.ids.append(item_id)
@@ -154,16 +158,16 @@ def changes_from_rows(rows, after: int) -> list[Change]:
 
 
 CHANGE_QUERY = (
-    "SELECT id, label, source, embedding, add_seq, deleted_seq FROM items "
+    "SELECT id, label, source, embedding, add_seq, deleted_seq, world FROM items "
     "WHERE add_seq > {p} UNION ALL "
-    "SELECT id, label, source, embedding, add_seq, deleted_seq FROM items "
+    "SELECT id, label, source, embedding, add_seq, deleted_seq, NULL FROM items "
     "WHERE deleted_seq > {p} AND add_seq <= {p} ORDER BY id"
 )
 
 
 WAL_FILES = ("-wal", "-shm")
 
-_COLUMNS = "id, label, source, metadata, created_at, embedding, image, image_type, thumbnail"
+_COLUMNS = "id, label, source, metadata, created_at, embedding, image, image_type, thumbnail, world"
 
 
 def _blob(v: np.ndarray) -> bytes:
@@ -254,7 +258,7 @@ class GalleryStore:
     def _open_read_only(self) -> sqlite3.Connection:
         conn = open_unwritable(self.path, shared=True)
         version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        if version[0] not in ("3", str(STORE_SCHEMA_VERSION)):  # 3: the log without tokens
+        if version[0] != str(STORE_SCHEMA_VERSION):
             conn.close()
             raise ArtifactError(
                 f"gallery store {self.path} has schema {version[0]} and is read-only, so it "
@@ -457,11 +461,14 @@ class GalleryStore:
         with self._lock:
             self._check_retired()
             rows = self.conn.execute(
-                "SELECT id, label, source, metadata, embedding, add_seq FROM items "
+                "SELECT id, label, source, metadata, embedding, add_seq, world FROM items "
                 "WHERE deleted_seq IS NULL AND add_seq > ? AND add_seq <= ? ORDER BY id",
                 (after_seq, upto if upto is not None else 2**62),
             ).fetchall()
-        return [Item(r[0], r[1], r[2], None, _vec(r[4]), r[5]) for r in rows]
+        return [
+            Item(r[0], r[1], r[2], None, _vec(r[4]), r[5], None if r[6] is None else _vec(r[6]))
+            for r in rows
+        ]
 
     def deleted_after(self, seq: int) -> list[tuple[int, str, np.ndarray, int]]:
         """(id, label, embedding, add_seq) of items deleted by a write after `seq`."""
@@ -639,15 +646,16 @@ class GalleryStore:
         metadata: list[dict | None],
         images: list[tuple[bytes, str] | None],
         thumbnails: list[bytes | None] | None = None,
+        worlds: np.ndarray | None = None,
     ) -> tuple[int, list[int]]:
-        """Insert len(embeddings) items of `label`; return (seq, ids)."""
+        """Insert len(embeddings) items of `label` (with their world statistics (n, D) when
+        given); return (seq, ids)."""
         now = utc_now()
 
         def fn(conn, seq):
             ids = allocate_ids(conn, len(embeddings))
-            insert_items(
-                conn, new_items(ids, label, embeddings, metadata, images, thumbnails, now), seq
-            )
+            rows = new_items(ids, label, embeddings, metadata, images, thumbnails, now, worlds)
+            insert_items(conn, rows, seq)
             return ids
 
         return self.transaction(fn, "add", len)
@@ -760,9 +768,12 @@ class StoreReader:
         ]
 
 
-def new_items(ids, label, embeddings, metadata, images, thumbnails, now) -> list[StoredItem]:
+def new_items(
+    ids, label, embeddings, metadata, images, thumbnails, now, worlds=None
+) -> list[StoredItem]:
     """The rows of an add through the service (both backends store the same columns)."""
     thumbs = thumbnails if thumbnails is not None else [None] * len(embeddings)
+    ws = [None] * len(embeddings) if worlds is None else [_blob(w) for w in worlds]
     return [
         StoredItem(
             i,
@@ -774,8 +785,9 @@ def new_items(ids, label, embeddings, metadata, images, thumbnails, now) -> list
             None if img is None else img[0],
             None if img is None else img[1],
             th,
+            w,
         )
-        for i, e, md, img, th in zip(ids, embeddings, metadata, images, thumbs, strict=True)
+        for i, e, md, img, th, w in zip(ids, embeddings, metadata, images, thumbs, ws, strict=True)
     ]
 
 
@@ -790,7 +802,7 @@ def allocate_ids(conn: sqlite3.Connection, n: int) -> list[int]:
 def insert_items(conn: sqlite3.Connection, items: list[StoredItem], seq: int) -> None:
     """Insert `items` as added by write `seq`."""
     conn.executemany(
-        f"INSERT INTO items ({_COLUMNS}, add_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        f"INSERT INTO items ({_COLUMNS}, add_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         [
             (
                 it.id,
@@ -802,6 +814,7 @@ def insert_items(conn: sqlite3.Connection, items: list[StoredItem], seq: int) ->
                 it.image,
                 it.image_type,
                 it.thumbnail,
+                it.world,
                 seq,
             )
             for it in items

@@ -108,6 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
         choices=MOMENTUM_SCHEDULES,
         help=f"how m moves from start to end (default {d.memory_momentum_schedule})",
     )
+    g.add_argument(
+        "--outlier-exposure",
+        type=float,
+        help="weight of the synthetic outlier exposure loss (training/outlier_exposure.py: "
+        f"generated outliers pushed to no class and a small norm); 0 is off (default "
+        f"{d.outlier_exposure})",
+    )
+    g.add_argument(
+        "--outlier-ratio",
+        type=float,
+        help=f"outliers per image of a batch (default {d.outlier_ratio})",
+    )
+    g.add_argument(
+        "--outlier-families",
+        help=f"comma-separated generated families to train on (default {d.outlier_families})",
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=positive_int, help=f"default {d.epochs}")
     g.add_argument(

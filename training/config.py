@@ -11,6 +11,8 @@ from embedding.config import ARCHS, strict_from_dict
 from embedding.datasets import DATASETS
 from embedding.device import DEVICES
 from embedding.errors import SNCAError
+from embedding.outliers import FAMILIES as OUTLIER_FAMILIES
+from embedding.outliers import TRAINED as OUTLIER_TRAINED
 
 from .memory import MOMENTUM_SCHEDULES
 
@@ -42,6 +44,10 @@ class TrainConfig:
     memory_momentum_start: float = 0.5
     memory_momentum_end: float = 0.9
     memory_momentum_schedule: str = "linear"
+    # synthetic outlier exposure (training/outlier_exposure.py): weight 0 turns it off
+    outlier_exposure: float = 0.0
+    outlier_ratio: float = 0.25  # outliers per image of a batch
+    outlier_families: str = ",".join(OUTLIER_TRAINED)  # embedding/outliers.py names
     # optimisation (paper: SGD nesterov momentum 0.9, lr 0.1 stepped x0.1)
     epochs: int = 10
     batch_size: int = 128
@@ -110,10 +116,21 @@ class TrainConfig:
             p.append("warmup_epochs must be >= 0")
         if self.num_workers < 0:
             p.append("num_workers must be >= 0")
+        if self.outlier_exposure < 0 or not 0 < self.outlier_ratio <= 4:
+            p.append("outlier_exposure must be >= 0 and outlier_ratio in (0, 4]")
+        bad = [f for f in self.outlier_family_list() if f not in OUTLIER_FAMILIES]
+        if bad or not self.outlier_family_list():
+            p.append(
+                f"outlier_families: unknown {', '.join(bad) or '(none given)'} (choose from "
+                f"{', '.join(OUTLIER_FAMILIES)})"
+            )
         if self.dataset != "imagefolder" and (self.image_size or self.in_channels):
             p.append("--image-size/--in-channels apply to --dataset imagefolder only")
         if p:
             raise SNCAError("invalid training config: " + "; ".join(p))
+
+    def outlier_family_list(self) -> tuple[str, ...]:
+        return tuple(f.strip() for f in str(self.outlier_families).split(",") if f.strip())
 
     def resolved_weight_decay(self, image_size: int) -> float:
         if self.weight_decay is not None:

@@ -41,6 +41,8 @@ from .config import TrainConfig
 from .datasets import Data, IndexedDataset, build_data, embed_split
 from .distributed import DistEnv, GlobalBatchSampler
 from .memory import MemoryBank, MomentumSchedule
+from .outlier_exposure import OutlierExposure
+from .world_fit import fit_run_world
 
 SYNC_EVERY = 25  # steps between host reads of the loss (progress bar, divergence check)
 
@@ -56,10 +58,15 @@ class TrainModule(nn.Module):
         self.net = EmbeddingNet(model_cfg)
         self.head = nn.Linear(model_cfg.embedding_dim, model_cfg.num_classes) if softmax else None
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, norms: bool = False):
+        """(embeddings, logits); with `norms` also (B,) the squared norms of the projection
+        before normalisation, over d (outlier exposure's norm term)."""
         z = self.net.project(x)  # (B, d) unnormalised
         emb = F.normalize(z.float(), dim=1)  # v = normalize(W·backbone(x))
-        return emb, (self.head(z) if self.head is not None else None)
+        logits = self.head(z) if self.head is not None else None
+        if norms:
+            return emb, logits, z.float().pow(2).mean(dim=1)
+        return emb, logits
 
 
 def lr_at(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
@@ -101,14 +108,28 @@ def train_step(
     dist: DistEnv,
     scaler: torch.amp.GradScaler | None = None,
     amp: bool = False,
+    outliers: OutlierExposure | None = None,
 ) -> StepResult:
     """Forward, loss, backward, SGD step, then eq. 11 on the memory with the global batch.
 
     `module` is a TrainModule, possibly wrapped in DDP; x (B, C, H, W), y (B,), slots (B,)
-    on the bank's device.
+    on the bank's device. `outliers`: synthetic outliers made from the batch go through the
+    network with it (one forward: BatchNorm sees them as the model will at test time), add
+    their loss, and never enter the memory bank.
     """
-    with autocast_context(x.device, amp):
-        emb, logits = module(x)
+    b = x.shape[0]
+    if outliers is not None and outliers.weight > 0:
+        xo = outliers.make(x)
+        with autocast_context(x.device, amp):
+            emb_all, logits_all, norm_sq = module(torch.cat([x, xo]), norms=True)
+        emb, logits = emb_all[:b], None if logits_all is None else logits_all[:b]
+        extra = outliers.weight * outliers.loss(
+            emb_all[b:], norm_sq[b:], bank.embeddings, bank.labels, bank.num_classes, temperature
+        )
+    else:
+        with autocast_context(x.device, amp):
+            emb, logits = module(x)
+        extra = None
     zero = torch.zeros((), dtype=torch.long, device=x.device)
     if loss_kind == "nca":
         out = bank.loss(emb, slots, y, temperature)  # eqs. 2-4, float32
@@ -116,6 +137,8 @@ def train_step(
     else:
         loss = F.cross_entropy(logits.float(), y)
         skipped, correct = zero, (logits.detach().argmax(1) == y).sum()
+    if extra is not None:
+        loss = loss + extra
     optimizer.zero_grad(set_to_none=True)
     if scaler is not None:
         scaler.scale(loss).backward()
@@ -350,6 +373,15 @@ class Trainer:
         self.amp = cfg.amp and device.type == "cuda"
         use_scaler = self.amp and not torch.cuda.is_bf16_supported()
         self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
+        self.outliers = None
+        if cfg.outlier_exposure > 0 and cfg.loss == "nca":
+            self.outliers = OutlierExposure.create(
+                cfg.outlier_exposure,
+                cfg.outlier_ratio,
+                cfg.outlier_family_list(),
+                data.model_cfg,
+                cfg.seed + dist.rank,
+            )
         self.momentum = MomentumSchedule(
             cfg.memory_momentum_start, cfg.memory_momentum_end, cfg.memory_momentum_schedule
         )
@@ -439,6 +471,7 @@ class Trainer:
                     dist=dist,
                     scaler=self.scaler,
                     amp=self.amp,
+                    outliers=self.outliers,
                 )
                 acc += torch.stack([r.loss * x.shape[0], r.skipped, r.correct]).double()
                 seen += x.shape[0]
@@ -507,18 +540,34 @@ class Trainer:
             f"({rec['epoch_seconds']:.0f}s)"
         )
 
+    def _export_world(self, net, out: Path, fp: str) -> None:
+        """The world check's Gaussian (training/world_fit.py) beside the model."""
+        from embedding import world
+
+        w = fit_run_world(net, self.data, self.cfg.seed, self.device, self.log)
+        world.save(w, out, fp)
+
     def export(self, wall: float) -> dict:
         """Rank 0 at the end: final validation under both protocols, the model, the memory
         bank, the classifier (softmax), summary.json; then the run dir is published."""
         cfg, data, m, run = self.cfg, self.data, self.module, self.run_dir
         self.log("final validation (memory bank and re-embedded training images)...")
         final = evaluate(m.net, m.head, self.bank, data, cfg, self.device, recompute=True)
-        fp = save_model(m.net, run.path)
+        recipe = {"loss": cfg.loss, "epochs": cfg.epochs, "outlier_exposure": None}
+        if self.outliers is not None:
+            recipe["outlier_exposure"] = {
+                "weight": cfg.outlier_exposure,
+                "ratio": cfg.outlier_ratio,
+                "families": list(cfg.outlier_family_list()),
+                "norm_weight": self.outliers.norm_weight,
+            }
+        fp = save_model(m.net, run.path, recipe)
         extra = {}
         if data.train.fine_labels is not None:
             extra["fine_labels"] = torch.from_numpy(data.train.fine_labels)
         bank = self.bank
         save_memory_bank(run.memory, bank.embeddings, bank.labels, bank.indices, fp, extra)
+        self._export_world(m.net, run.path, fp)
         if m.head is not None:
             write_safetensors(
                 run.classifier,

@@ -30,7 +30,7 @@ def kde_top(
     """The service's kde classification in one call: queries (B, d) against every gallery row
     (N, d) -> (best similarity (B,), top-`top` probabilities (B, top) and label ids, the
     probability total (B,), 0 for a query no label can take, and the open-set score (B,):
-    embedding.openset.label_kth_grouped of the top label with kcs (C,) = min(k, n_c)). `live`
+    embedding.openset.label_kth_grouped of the top label with kcs (C,) = min(k, n_c - 1)). `live`
     (N,) bool masks deleted rows out of the best similarity (their labels are already outside
     `onehot`'s C columns); order, starts: embedding.openset.label_groups of the rows; alpha > 0: the
     kde_shrunk vote (its prior, embedding/votes/kde_shrunk.py), 0: kde.

@@ -38,6 +38,7 @@ class Diagnostics:
     nearest_similarity: float | None  # cosine between the two label means
     confused_with: dict[str, float] = field(default_factory=dict)  # label -> share of votes
     outliers: list[Outlier] = field(default_factory=list)
+    outside_world: float | None = None  # share of the added images outside the training world
     warnings: list[str] = field(default_factory=list)
 
 
@@ -156,6 +157,20 @@ def diagnose(
     d.confused_with = {lab: v / len(emb) for lab, v in sorted(votes.items(), key=lambda x: -x[1])}
     _warn(d, n)
     return d
+
+
+def world_warning(d: Diagnostics, outside: np.ndarray) -> None:
+    """`outside` (m,) bool: which of the images just added are outside the training world."""
+    if not len(outside):
+        return
+    d.outside_world = float(outside.mean())
+    if outside.any():
+        d.warnings.append(
+            f"{int(outside.sum())} of {len(outside)} images are not like the images the model "
+            "was trained on: the label is recognised by its own images (a query must look like "
+            "one of them), and the embedding separates such images less well than its own "
+            "kind; register several varied images of it"
+        )
 
 
 def _warn(d: Diagnostics, n: int) -> None:

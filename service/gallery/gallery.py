@@ -21,14 +21,17 @@ import torch
 from embedding import openset
 from embedding.openset import label_groups, label_kth, label_kth_grouped
 from embedding.votes import RULES, Candidates, GalleryView, Kde, KdeShrunk, Neighbors, VoteRule
+from embedding.world import DEFAULT_TPR as WORLD_TPR
+from embedding.world import WorldFit
 
 from ..store import Item
 from .compiled import scripted_kde_top
-from .diagnostics import Diagnostics, diagnose
+from .diagnostics import Diagnostics, diagnose, world_warning
 from .lock import RWLock
 from .openset import OpenSet
 from .rows import LabelStats, Rows
 from .vectors import VectorIndex
+from .world import NO_CHECK, Worlds, WorldVerdict
 
 # The rules are stateless: one instance each.
 _RULES: dict[str, VoteRule] = {name: cls() for name, cls in RULES.items()}
@@ -45,6 +48,7 @@ class Classification:
     # there is no label
     unknown_score: float | None = None
     label_id: int = -1
+    world: WorldVerdict = NO_CHECK  # is the query of the chosen label's world (world.py)
 
 
 @dataclass
@@ -76,6 +80,8 @@ class Gallery:
         candidates: int = CANDIDATES,
         exact_max: int = EXACT_MAX,
         unknown_k: int = openset.K,
+        world: WorldFit | None = None,
+        world_tpr: float = WORLD_TPR,
     ):
         self.vectors = vectors
         self.dim = dim
@@ -90,6 +96,7 @@ class Gallery:
         self._snapshot: Snapshot | None = None
         self._checksum: tuple | None = None
         self.openset = OpenSet(dim, unknown_k)
+        self.worlds = Worlds(world, world_tpr)
         self._thresholds: dict[float, tuple] = {}  # tpr -> (key, (C,) thresholds)
 
     @property
@@ -121,10 +128,14 @@ class Gallery:
                 self.rows.append(idarr, c, emb)
                 self.stats.add(c, emb, sum(it.source == "added" for it in group))
                 self.openset.added(c, idarr, emb)
+                added = [i for i, it in enumerate(group) if it.source == "added"]
+                if added:
+                    self.worlds.added(c, idarr[added], [group[i].world for i in added])
             self._recalibrate([self.stats.ids[name] for name in by_label])
 
-    def apply_add(self, ids: list[int], label: str, emb: np.ndarray, seq: int) -> None:
-        """Items the store committed as write `seq` (added through the service)."""
+    def apply_add(self, ids: list[int], label: str, emb: np.ndarray, seq: int, stats=None) -> None:
+        """Items the store committed as write `seq` (added through the service), with their
+        world statistics (rows of (D,) or None) when known."""
         with self.lock.write():
             idarr = np.asarray(ids, dtype=np.int64)
             self.vectors.add(idarr, emb)
@@ -135,6 +146,7 @@ class Gallery:
                 self.rows.drop_embeddings()  # outgrew the dense path: candidates from now on
                 self._snapshot = None
             self.openset.added(c, idarr, emb)
+            self.worlds.added(c, idarr, stats)
             self._recalibrate([c])
             self.version = max(self.version, seq)
 
@@ -145,6 +157,7 @@ class Gallery:
             self.rows = Rows(self.dim, dense=len(items) <= self.exact_max)
             self.stats = LabelStats(self.dim)
             self.openset = OpenSet(self.dim, self.openset.k, self.openset.sample_size)
+            self.worlds = Worlds(self.worlds.fit, self.worlds.tpr, self.worlds.sample_size)
             self._snapshot = None
         self.load_items(items)
         self.version = version
@@ -159,6 +172,7 @@ class Gallery:
                 if c is not None:
                     self.stats.remove(c, emb, source == "added")
                     self.openset.removed(c, item_id)
+                    self.worlds.removed(c, item_id)
                     touched.add(c)
             self.rows.compact()
             self._recalibrate(sorted(touched))
@@ -181,6 +195,7 @@ class Gallery:
             members,
             self.candidates,
         )
+        self.worlds.recalibrate(labels)
 
     # ------------------------------------------------------------------ reads
     def thresholds(self, tpr: float) -> np.ndarray:
@@ -215,6 +230,7 @@ class Gallery:
         tpr: float,
         ids: list[int] | None = None,
         emb: np.ndarray | None = None,
+        stats: np.ndarray | None = None,
     ) -> Diagnostics | None:
         """Diagnostics of `label` (service/gallery/diagnostics.py) from its items `ids` with
         embeddings `emb` (the images just added), or else from its open-set sample (up to
@@ -249,7 +265,7 @@ class Gallery:
                 return z, z.astype(np.int64), z.astype(np.int64)
             return tuple(np.concatenate(parts) for parts in zip(*out, strict=True))
 
-        return diagnose(
+        d = diagnose(
             label,
             c,
             np.ascontiguousarray(emb, dtype=np.float32),
@@ -265,6 +281,10 @@ class Gallery:
             self.openset.k,
             thresholds,
         )
+        z = self.worlds.z(None if stats is None else np.asarray(stats, np.float32))
+        if z is not None and self.worlds.threshold is not None:
+            world_warning(d, self.worlds.fit.score(z) > self.worlds.threshold)
+        return d
 
     def size(self) -> int:
         return int(self.stats.counts.sum())
@@ -387,66 +407,77 @@ class Gallery:
         k: int,
         labels: list[str] | None = None,
         neighbors: bool = False,
+        stats: np.ndarray | None = None,
     ) -> list[Classification]:
         """Label probabilities for each query (B, d) (numpy, or a float32 CPU tensor) under
         the rule `vote`, optionally restricted to `labels`; the k nearest items (the kNN
-        voters) when asked."""
-        rule = _RULES[vote]
+        voters) when asked; with the queries' world statistics `stats` (B, D), whether each
+        is of its chosen label's world (Classification.world)."""
         with self.lock.read():
-            qt = (
-                q
-                if isinstance(q, torch.Tensor)
-                else torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
-            )
-            allowed, allowed_labels = self._allowed(labels)
-            if not self.rows.dense:
-                return self._classify_candidates(qt, rule, k, allowed, allowed_labels, neighbors)
-            if allowed_labels is None:
-                snap = self._unfiltered()
-                view, live, any_live = snap.view, snap.live, snap.any_live
-            else:
-                view, live, any_live = self._filtered(allowed_labels)
-            c = view.num_classes
-            top = min(5, c)
-            kcs = self._kcs(view.counts)
-            if isinstance(rule, Kde) and not neighbors and allowed_labels is None and any_live:
-                _, counts, onehot = Kde.prepared(view)
-                if onehot is not None:
-                    # the common request (kde, no filter, no neighbours): one compiled call
-                    alpha = float(rule.alpha) if isinstance(rule, KdeShrunk) else 0.0
-                    order, starts = self._groups(view)
-                    best, vals, idx, total, score = scripted_kde_top()(
-                        qt, view.embeddings, onehot, counts, self.temperature, top, live,
-                        order, starts, kcs, alpha,
-                    )  # fmt: skip
-                    return self._results(
-                        best.tolist(), vals.tolist(), idx.tolist(), total.tolist(),
-                        scores=score.tolist(),
-                    )  # fmt: skip
-            n = view.embeddings.shape[0]
-            sims = qt @ view.embeddings.T if n else torch.zeros(len(qt), 0)  # (B, n)
-            if not any_live:
-                best = np.full(len(qt), -1.0)
-            elif live is None:
-                best = sims.max(dim=1).values.numpy()
-            else:  # dead or filtered columns at -inf, no copy of the kept columns
-                best = sims.masked_fill(~live, -torch.inf).max(dim=1).values.numpy()
-            hits = None
-            if rule.needs_neighbors or neighbors:
-                hits = self._neighbors(qt, k, allowed, int(view.counts.sum()))
-            nb = None if hits is None else Neighbors(hits[0], hits[2])
-            probs = rule.probs(qt, view, k, neighbors=nb, similarities=sims)
-            # Top labels for the whole batch at once; Python only walks the small lists.
-            vals = idx = total = scores = None
-            if c:
-                v, i = probs.topk(top, dim=1)
-                vals, idx, total = v.tolist(), i.tolist(), probs.sum(dim=1).tolist()
-                pred = i[:, 0]
+            out = self._classify(q, vote, k, labels, neighbors)
+            if stats is not None and self.worlds.fit is not None:
+                z = self.worlds.z(np.asarray(stats, dtype=np.float32))
+                trained = self.stats.counts - self.stats.added
+                verdicts = self.worlds.check([c.label_id for c in out], z, trained)
+                for c, v in zip(out, verdicts, strict=True):
+                    c.world = v
+            return out
+
+    def _classify(self, q, vote: str, k: int, labels, neighbors: bool) -> list[Classification]:
+        """classify's vote, under the read lock."""
+        rule = _RULES[vote]
+        qt = (
+            q
+            if isinstance(q, torch.Tensor)
+            else torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
+        )
+        allowed, allowed_labels = self._allowed(labels)
+        if not self.rows.dense:
+            return self._classify_candidates(qt, rule, k, allowed, allowed_labels, neighbors)
+        if allowed_labels is None:
+            snap = self._unfiltered()
+            view, live, any_live = snap.view, snap.live, snap.any_live
+        else:
+            view, live, any_live = self._filtered(allowed_labels)
+        c = view.num_classes
+        top = min(5, c)
+        kcs = self._kcs(view.counts)
+        if isinstance(rule, Kde) and not neighbors and allowed_labels is None and any_live:
+            _, counts, onehot = Kde.prepared(view)
+            if onehot is not None:
+                # the common request (kde, no filter, no neighbours): one compiled call
+                alpha = float(rule.alpha) if isinstance(rule, KdeShrunk) else 0.0
                 order, starts = self._groups(view)
-                scores = label_kth_grouped(sims, order, starts, pred, kcs[pred]).tolist()
-            return self._results(
-                best.tolist(), vals, idx, total, hits if neighbors else None, scores
-            )
+                best, vals, idx, total, score = scripted_kde_top()(
+                    qt, view.embeddings, onehot, counts, self.temperature, top, live,
+                    order, starts, kcs, alpha,
+                )  # fmt: skip
+                return self._results(
+                    best.tolist(), vals.tolist(), idx.tolist(), total.tolist(),
+                    scores=score.tolist(),
+                )  # fmt: skip
+        n = view.embeddings.shape[0]
+        sims = qt @ view.embeddings.T if n else torch.zeros(len(qt), 0)  # (B, n)
+        if not any_live:
+            best = np.full(len(qt), -1.0)
+        elif live is None:
+            best = sims.max(dim=1).values.numpy()
+        else:  # dead or filtered columns at -inf, no copy of the kept columns
+            best = sims.masked_fill(~live, -torch.inf).max(dim=1).values.numpy()
+        hits = None
+        if rule.needs_neighbors or neighbors:
+            hits = self._neighbors(qt, k, allowed, int(view.counts.sum()))
+        nb = None if hits is None else Neighbors(hits[0], hits[2])
+        probs = rule.probs(qt, view, k, neighbors=nb, similarities=sims)
+        # Top labels for the whole batch at once; Python only walks the small lists.
+        vals = idx = total = scores = None
+        if c:
+            v, i = probs.topk(top, dim=1)
+            vals, idx, total = v.tolist(), i.tolist(), probs.sum(dim=1).tolist()
+            pred = i[:, 0]
+            order, starts = self._groups(view)
+            scores = label_kth_grouped(sims, order, starts, pred, kcs[pred]).tolist()
+        return self._results(best.tolist(), vals, idx, total, hits if neighbors else None, scores)
 
     @staticmethod
     def _groups(view: GalleryView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,9 +485,13 @@ class Gallery:
         return view.memo("groups", lambda: label_groups(view.labels, view.num_classes))
 
     def _kcs(self, counts) -> torch.Tensor:
-        """(C,) k_c = min(k, n_c) of the open-set score (embedding.openset), at least 1."""
+        """(C,) k_c = min(k, n_c - 1) of the open-set score (embedding.openset), at least 1:
+        the statistic the calibration takes of each item (its k_c-th nearest among the n_c - 1
+        others), so that a query of the label's kind is accepted at the rate asked. (It was
+        min(k, n_c): for a label of 5 images, the query's farthest of 5 against the items'
+        farthest of 4, stricter than calibrated: a registered label rejected its own kind.)"""
         n = torch.as_tensor(np.asarray(counts), dtype=torch.long)
-        return n.clamp(min=1, max=self.openset.k)
+        return (n - 1).clamp(min=1, max=self.openset.k)
 
     def _classify_candidates(
         self,

@@ -130,5 +130,9 @@ class OpenSet:
                     torch.full((len(s.ids),), c, dtype=torch.long),
                     kc,
                 ).numpy()
+                # -1: none of the label's items among the candidates, a placeholder, not a
+                # similarity (at a high rate the quantile would land on it: threshold -1, which
+                # silently accepts everything)
+                scores = scores[scores > -1.0]
             self.calibration.set(c, scores, n)
         self.epoch += 1

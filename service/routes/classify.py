@@ -177,10 +177,11 @@ def result(
     if thresholds is not None and 0 <= c.label_id < len(thresholds):
         t = float(thresholds[c.label_id])
         threshold = None if t == float("-inf") else t
-    if tpr is None:
-        unknown = False
-    else:
-        unknown = (
+    reason = None
+    if tpr is not None:
+        if c.label is not None and not c.world.ok:
+            reason = "outside_world"  # not the kind of image the chosen label holds
+        elif (
             c.label is None
             or c.best_similarity < s.unknown_similarity
             or c.confidence < s.unknown_probability
@@ -189,15 +190,21 @@ def result(
                 and c.unknown_score is not None
                 and c.unknown_score < threshold
             )
-        )
+        ):
+            reason = "no_label_accepts"
+    w = c.world
     r = {
         "label": c.label,
         "confidence": c.confidence,
         "probabilities": [{"label": lab, "probability": min(1.0, p)} for lab, p in c.probabilities],
-        "unknown": unknown,
+        "unknown": reason is not None,
+        "unknown_reason": reason,
         "unknown_score": c.unknown_score,
         "unknown_threshold": threshold,
         "unknown_tpr": tpr or None,
+        "world_score": w.score,
+        "world_threshold": w.threshold,
+        "world_basis": w.basis,
         "best_similarity": c.best_similarity,
         "vote": vote,
         "k": k,

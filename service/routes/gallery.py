@@ -149,15 +149,16 @@ async def add(request: Request, state: StateDep):
     prepared = await state.runtime.prepare_async(
         datas, [f"images[{i}]" for i in range(len(datas))], thumbnails=s.thumbnails
     )
-    emb = np.stack(await asyncio.gather(*[state.runtime.embed(p) for p in prepared]))
+    rows = np.stack(await asyncio.gather(*[state.runtime.embed(p) for p in prepared]))
+    emb, stats = state.runtime.embedder.split(rows)  # (n, d), (n, D) world statistics or None
     stored = [
         (p.data, p.mime) if s.store_images and len(p.data) <= s.max_stored_image_bytes else None
         for p in prepared
     ]
     thumbs = [p.thumbnail for p in prepared]
-    ids, seq = await run_in_threadpool(state.add, label, emb, md, stored, thumbs)
+    ids, seq = await run_in_threadpool(state.add, label, emb, md, stored, thumbs, stats)
     diag = await run_in_threadpool(
-        state.gallery.diagnose, label, s.vote, s.k, s.unknown_tpr, ids, emb
+        state.gallery.diagnose, label, s.vote, s.k, s.unknown_tpr, ids, emb, stats
     )
     out = AddResult(
         ids=ids,

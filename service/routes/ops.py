@@ -57,6 +57,9 @@ async def readyz(request: Request):
         "data_dir": str(state.data.path),
         # dense: every row kept and voted over; candidates: past SNCA_EXACT_VOTE_MAX
         "vote_path": "dense" if state.gallery.rows.dense else "candidates",
+        # the world check (is this the kind of image a label holds): off for an index dir
+        # built before it, or with SNCA_WORLD_TPR=0
+        "world_check": state.gallery.worlds.enabled,
     }
     if state.migration is not None:
         body["migration"] = state.migration.to_dict()

@@ -109,12 +109,19 @@ async function classify(file) {
     $("classify-label").textContent = r.label ?? "(empty gallery)";
     $("classify-confidence").textContent = pct(r.confidence);
     $("classify-unknown").hidden = !r.unknown;
+    $("classify-closest").hidden = !r.unknown; // the label is then only the closest, not an answer
     $("classify-unknown-box").hidden = !r.unknown;
     lastClassified = file;
     const score = r.unknown_score == null ? "" : `open-set score ${r.unknown_score.toFixed(3)}`;
     const thr = r.unknown_threshold == null ? "" : ` (threshold ${r.unknown_threshold.toFixed(3)} at ${pct(r.unknown_tpr)} of known images accepted)`;
-    $("classify-score").textContent = score + thr;
-    $("classify-unknown-why").textContent = r.label ? `Best guess: ${r.label}.` : "";
+    const world = r.world_score == null ? "" : `; world distance ${r.world_score.toFixed(2)} (limit ${r.world_threshold.toFixed(2)}, ${r.world_basis === "label" ? "from the label's own images" : "from the training images"})`;
+    $("classify-score").textContent = score + thr + world;
+    $("classify-unknown-reason").textContent = r.unknown_reason === "outside_world"
+      ? (r.world_basis === "label"
+        ? `this image is not like the images registered as "${r.label}", nor like any other label's.`
+        : "this is not the kind of image the gallery holds (its statistics are far from every image the model was trained on).")
+      : "it looks like the gallery's images, but no label's neighbourhood takes it.";
+    $("classify-unknown-why").textContent = r.label ? `The closest label, ${r.label}, is shown as a guess only.` : "";
     const probs = $("classify-probs");
     probs.replaceChildren(...r.probabilities.map((p) => {
       const li = document.createElement("li");
@@ -126,6 +133,9 @@ async function classify(file) {
     }));
     const nb = (r.neighbors || []).slice(0, 10);
     $("classify-neighbours-title").hidden = nb.length === 0;
+    $("classify-neighbours-title").textContent = r.unknown
+      ? "Nearest gallery items (none of them is like this image)"
+      : "Nearest gallery items";
     $("classify-neighbours").replaceChildren(...nb.map(cell));
     refreshStatus();
   } catch (e) {

@@ -1,0 +1,70 @@
+"""The world check's Gaussian of a run (embedding/world.py), as snca-train writes it at the end
+of training: fitted on up to 20,000 training images, thresholds and the few-shot radius from up
+to 5,000 validation images (never trained on; a held-out 20% of the training images when the
+run has no validation split).
+
+    python -m training.world_fit runs/demo     # (re)write runs/demo/world.safetensors
+
+A run dir trained before the world check gets its statistics this way without retraining
+(snca-build-index would otherwise fit them on training images alone); then rebuild the index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embedding import world
+from embedding.errors import SNCAError
+from embedding.rundir import RunDir
+
+from .datasets import Data
+
+
+def fit_run_world(net, data: Data, seed: int, device: torch.device, log=print) -> world.WorldFit:
+    rng = np.random.default_rng(seed)
+    train = data.train
+    fit_pos = train.positions[rng.permutation(len(train))[:20000]]
+    if data.val is not None and len(data.val) >= 100:
+        pick = rng.permutation(len(data.val))[:5000]
+        cal_pos, cal_y = data.val.positions[pick], data.val.labels[pick]
+    else:
+        rest = rng.permutation(len(train))
+        cut = int(0.8 * len(rest))
+        fit_pos = train.positions[rest[:cut][:20000]]
+        held = rest[cut:][:5000]
+        cal_pos, cal_y = train.positions[held], train.labels[held]
+    log(f"world statistics: fitting on {len(fit_pos)} images, calibrating on {len(cal_pos)}")
+    return world.fit_from_images(
+        net, train.raw.source, fit_pos, cal_pos, cal_y, device, 512, seed=seed
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .datasets import build_data
+    from .evaluate import run_config
+
+    ap = argparse.ArgumentParser(prog="python -m training.world_fit", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("run", type=Path, help="a run dir")
+    a = ap.parse_args(argv)
+    try:
+        rd = RunDir(a.run)
+        model = rd.load_model()
+        cfg = run_config(a.run)
+        w = fit_run_world(model, build_data(cfg), cfg.seed, torch.device("cpu"))
+        path = world.save(w, a.run, model.fingerprint)
+    except (SNCAError, OSError) as e:
+        print(f"world_fit: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: threshold at 99% {w.threshold(0.99):.3f}, same_radius "
+          f"{w.same_radius:.3f}, spread {w.spread:.3f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
