@@ -164,17 +164,23 @@ def migrate_store(conn: sqlite3.Connection) -> bool:
         return False
     conn.execute("BEGIN IMMEDIATE")
     try:
-        if int(version) < 2:
+        # each step adds only what is missing: a store may have been written by a version
+        # between two schema numbers (columns are only ever added)
+        items = {r[1] for r in conn.execute("PRAGMA table_info(items)")}
+        if "thumbnail" not in items:
             conn.execute("ALTER TABLE items ADD COLUMN thumbnail BLOB")
-        if int(version) < 3:  # the log table as it is now (with its token column)
+        has_log = conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'log'"
+        ).fetchone()
+        if not has_log:  # the log table as it is now (with its token column)
             conn.execute(_LOG_TABLE)
             conn.execute(
                 "INSERT OR REPLACE INTO meta (key, value) "
                 "SELECT 'log_floor', value FROM meta WHERE key = 'last_seq'"
             )
-        elif int(version) < 4:
+        elif "token" not in {r[1] for r in conn.execute("PRAGMA table_info(log)")}:
             conn.execute("ALTER TABLE log ADD COLUMN token TEXT")
-        if int(version) < 5:
+        if "world" not in items:
             conn.execute("ALTER TABLE items ADD COLUMN world BLOB")
         conn.execute(
             "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(STORE_SCHEMA_VERSION),)

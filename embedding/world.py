@@ -277,19 +277,19 @@ def _few_shot_radius(w: WorldFit, z: np.ndarray, y: np.ndarray, seed: int) -> tu
 
 
 def save(w: WorldFit, out_dir: Path, fingerprint: str) -> Path:
-    from safetensors.numpy import save_file
+    """world.safetensors in `out_dir`, atomically (embedding.artifacts: fsync, rename, the
+    mode every artifact gets)."""
+    from .artifacts import write_safetensors
 
     path = Path(out_dir) / WORLD_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(
+    write_safetensors(
+        path,
         {
-            # (C order: eigh's vectors are Fortran-ordered, and safetensors writes the buffer)
-            "mean": np.ascontiguousarray(w.mean, dtype=np.float64),
-            "whiten": np.ascontiguousarray(w.whiten, dtype=np.float64),
-            "calibration": np.ascontiguousarray(w.calibration, dtype=np.float64),
+            "mean": torch.from_numpy(np.ascontiguousarray(w.mean, dtype=np.float64)),
+            "whiten": torch.from_numpy(np.ascontiguousarray(w.whiten, dtype=np.float64)),
+            "calibration": torch.from_numpy(np.ascontiguousarray(w.calibration, dtype=np.float64)),
         },
-        str(tmp),
-        metadata={
+        {
             "format_version": str(FORMAT_VERSION),
             "model_fingerprint": fingerprint,
             "fitted_on": str(w.fitted_on),
@@ -297,11 +297,6 @@ def save(w: WorldFit, out_dir: Path, fingerprint: str) -> Path:
             "spread": repr(w.spread),
         },
     )
-    import os
-
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return path
 
 

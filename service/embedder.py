@@ -241,8 +241,9 @@ class Embedder:
 
     def embed(self, batch: torch.Tensor) -> np.ndarray:
         """(B, C, H, W) uint8 images from `preprocess` (or already normalised floats)
-        -> (B, d) float32 unit rows (numpy)."""
-        return self.forward(batch).numpy()
+        -> (B, d) float32 unit rows (numpy): the vectors alone (`forward` gives the world
+        statistics beside them)."""
+        return np.ascontiguousarray(self.forward(batch).numpy()[:, : self.dim])
 
     @torch.inference_mode()
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
