@@ -21,7 +21,7 @@ run: install data ## set up; train and index the default model unless done befor
 		echo "model: $(OUT), trained before ($(EPOCHS) epochs); make run RETRAIN=1 or make train retrains"; \
 	else $(PY) -m training $(TRAIN_ARGS); fi
 	$(PY) -m index_builder $(OUT) --out $(OUT)/index --reuse --thumbnails
-	$(PY) -m service.examples $(OUT)/examples > /dev/null
+	$(PY) -m service.tools.examples $(OUT)/examples > /dev/null
 	@echo
 	@echo "Try it (in another terminal):"
 	@echo "  curl -s -F image=@$(OUT)/examples/sneaker.png http://$(HOST):$(PORT)/classify"

@@ -47,7 +47,9 @@ from service_load import (  # noqa: E402
 # the records over (and clears them). Each record is a few floats appended under the GIL.
 STUB = """
 import sys, time
-from service import app as app_mod, embedder, gallery, runtime
+from service import gallery
+from service.http import app as app_mod
+from service.model import embedder, runtime
 rec = {"batch": [], "forward": [], "vote": []}
 def timed(fn, key):
     def wrapper(self, arg, *a, **k):

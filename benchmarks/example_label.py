@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedding.datasets import load_raw
 from service.config import Settings
-from service.examples import logo
 from service.startup import ServiceHost
+from service.tools.examples import logo
 
 
 def png(img) -> bytes:

@@ -40,7 +40,7 @@ from embedding.artifacts import save_memory_bank
 from embedding.datasets import load_raw
 from embedding.rundir import RunDir
 from embedding.transforms import normalize_batch
-from service.accel import optimize_for_cpu
+from service.model.accel import optimize_for_cpu
 
 NOVEL = (7, 8, 9)  # generalized few-shot: Sneaker, Bag, Ankle boot registered from 5 shots
 RULES = ("kde", "knn", "prototype")
@@ -52,7 +52,7 @@ def embed(model, images: torch.Tensor, augment: bool = False, seed: int = 0, bat
     """uint8 (N, C, H, W) at the model's size -> (N, d) float32 unit embeddings; with
     `augment`, training's small-image augmentation first (pad 3 and crop, horizontal flip),
     batched: each call with another seed gives other images of the same items. The model
-    runs as the service runs it on a CPU (service.accel.optimize_for_cpu; ~4x eager)."""
+    runs as the service runs it on a CPU (service.model.accel.optimize_for_cpu; ~4x eager)."""
     model.eval()
     cfg = model.config
     net, _ = optimize_for_cpu(model, normalize_batch(images[: min(64, len(images))], cfg))

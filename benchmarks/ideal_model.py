@@ -30,7 +30,7 @@ from service_load import RUNS, latency_ratio, print_rows, query_png, serve, star
 
 STUB = """
 import sys, time
-from service import runtime
+from service.model import runtime
 real = runtime.ModelRuntime._run_batch
 answer = []
 def run_batch(self, jobs):

@@ -1,4 +1,4 @@
-"""How long carrying a gallery to a new model takes (service/migration.py).
+"""How long carrying a gallery to a new model takes (service/store/migration.py).
 
     python benchmarks/migration_speed.py runs/demo --items 5000
 

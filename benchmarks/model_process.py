@@ -36,7 +36,7 @@ from service_load import RUNS, latency_ratio, print_rows, query_png, serve  # no
 # ModelRuntime.classify sending jobs to the worker.
 STUB = r"""
 import asyncio, itertools, json, os, struct, subprocess, sys
-from service import runtime
+from service.model import runtime
 from service.gallery import Classification
 argv = sys.argv[1:]
 opt = dict(zip(argv[::2], argv[1::2]))
@@ -100,7 +100,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from service.config import Settings
-from service.runtime import Job
+from service.gallery.query import VoteQuery
+from service.model.runtime import Job
 from service.startup import ServiceHost
 run, data_dir, jobs_r, done_w = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 st = ServiceHost(Settings(model=run, data_dir=data_dir / "worker")).finish().runtime
@@ -119,7 +120,7 @@ while data := os.read(jobs_r, 1 << 20):  # everything queued is one batch
         if len(buf) < HEAD.size + n:
             break
         px = np.frombuffer(bytes(buf[HEAD.size:HEAD.size + n]), np.uint8).reshape(shape)
-        jobs.append(Job("classify", px, (VOTES[v], k, None, False)))
+        jobs.append(Job("classify", px, VoteQuery(VOTES[v], k)))
         ids.append(i)
         del buf[:HEAD.size + n]
     for s in range(0, len(jobs), 64):

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from fastapi.testclient import TestClient
 
-from service.app import create_app
 from service.config import Settings
+from service.http.app import create_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RUN, IMAGES = Path(sys.argv[1]), Path(sys.argv[2])

@@ -393,13 +393,14 @@ def bare_limit(run: Path, png: bytes, batch: int = 64, seconds: float = 5.0) -> 
 async def _http_breakdown(host, png: bytes, n: int = 2000) -> dict:
     """CPU per request on the event loop: decode + preprocess, and the whole ASGI app with
     the batcher replaced by a precomputed answer (so: FastAPI, multipart, route, JSON)."""
-    from service.app import create_app
-    from service.runtime import Job
+    from service.gallery.query import VoteQuery
+    from service.http.app import create_app
+    from service.model.runtime import Job
 
     app = create_app(host=host)
     rt = host.state.runtime
     (p,) = await rt.prepare_async([png], ["image"])
-    answer = rt._run_batch([Job("classify", p.pixels, ("kde", 30, None, False))])[0]
+    answer = rt._run_batch([Job("classify", p.pixels, VoteQuery("kde", 30))])[0]
 
     async def classify(*_a, **_k):
         return answer

@@ -76,7 +76,7 @@ echo "api healthy ${cold}s after up (cold start, including bootstrap training)"
 "${COMPOSE[@]}" ps
 
 step "example images from the container's test split"
-"${COMPOSE[@]}" exec -T -e SNCA_DATA_DIR=/datasets api python3 -m service.examples /tmp/examples >/dev/null
+"${COMPOSE[@]}" exec -T -e SNCA_DATA_DIR=/datasets api python3 -m service.tools.examples /tmp/examples >/dev/null
 for name in sneaker logo logo-2; do
     "${COMPOSE[@]}" exec -T api cat "/tmp/examples/$name.png" >"$tmp/$name.png"
 done

@@ -26,41 +26,78 @@ STORE_SCHEMA_VERSION = 5
 READABLE_SCHEMAS = ("1", "2", "3", "4", "5")
 SOURCES = ("trained", "added")
 
-_SCHEMA = (
-    """
+# The one schema both store backends create (service/store/sqlite.py, service/store/postgres.py):
+# {ID} is the integer type of ids and sequence numbers (SQLite's INTEGER PRIMARY KEY is the rowid;
+# BIGINT on PostgreSQL), {BLOB} the byte-string type (BLOB, BYTEA).
+_SCHEMA = """
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
 CREATE TABLE items (
-    id          INTEGER PRIMARY KEY,     -- the item's id in the FAISS index (IndexIDMap2)
+    id          {ID} PRIMARY KEY,        -- the item's id in the FAISS index (IndexIDMap2)
     label       TEXT    NOT NULL,
     source      TEXT    NOT NULL CHECK (source IN ('trained', 'added')),
     metadata    TEXT,                    -- JSON object, or NULL
     created_at  TEXT    NOT NULL,        -- ISO 8601, UTC
-    embedding   BLOB    NOT NULL,        -- float32 x dim, little-endian, unit norm
-    image       BLOB,                    -- the uploaded image (added items, size-capped)
+    embedding   {BLOB}  NOT NULL,        -- float32 x dim, little-endian, unit norm
+    image       {BLOB},                  -- the uploaded image (added items, size-capped)
     image_type  TEXT,                    -- its MIME type
-    thumbnail   BLOB,                    -- small PNG/JPEG preview (embedding/thumbnails.py), or NULL
-    world       BLOB,                    -- added items: embedding/world.py statistics, float32
-    add_seq     INTEGER NOT NULL DEFAULT 0,  -- write that added it (0: part of the built index)
-    deleted_seq INTEGER                  -- write that deleted it; NULL while live
+    thumbnail   {BLOB},                  -- small PNG/JPEG preview (embedding/thumbnails.py), or NULL
+    world       {BLOB},                  -- added items: embedding/world.py statistics, float32
+    add_seq     {ID} NOT NULL DEFAULT 0, -- write that added it (0: part of the built index)
+    deleted_seq {ID}                     -- write that deleted it (NULL while live)
 );
 CREATE INDEX items_live_label ON items (label) WHERE deleted_seq IS NULL;
 CREATE INDEX items_add_seq ON items (add_seq);
 CREATE INDEX items_deleted_seq ON items (deleted_seq) WHERE deleted_seq IS NOT NULL;
-"""
-    + """
 CREATE TABLE log (
-    seq   INTEGER PRIMARY KEY,           -- the write's sequence number (1, 2, ... no gaps)
+    seq   {ID} PRIMARY KEY,              -- the write's sequence number (1, 2, ... no gaps)
     op    TEXT    NOT NULL,              -- add | delete | migrate
     items INTEGER NOT NULL,              -- items it added or deleted
     at    TEXT    NOT NULL,              -- ISO 8601, UTC
     token TEXT                           -- random per write: names the history it belongs to
 );
 """
+SQL_TYPES = {
+    "sqlite": {"ID": "INTEGER", "BLOB": "BLOB"},
+    "postgresql": {"ID": "BIGINT", "BLOB": "BYTEA"},
+}
+# every column of an item row as the stores read and write it (add_seq/deleted_seq apart)
+ITEM_COLUMNS = (
+    "id",
+    "label",
+    "source",
+    "metadata",
+    "created_at",
+    "embedding",
+    "image",
+    "image_type",
+    "thumbnail",
+    "world",
 )
-_LOG_TABLE = _SCHEMA[_SCHEMA.index("CREATE TABLE log") :]
+# Columns added after schema 1 (table, column, type): an upgrade adds the ones a store lacks.
+ADDED_COLUMNS = (
+    ("items", "thumbnail", "{BLOB}"),
+    ("log", "token", "TEXT"),
+    ("items", "world", "{BLOB}"),
+)
+
+
+def schema_statements(dialect: str = "sqlite") -> list[str]:
+    """The CREATE statements of a new store, in `dialect`'s types (SQL_TYPES)."""
+    sql = _SCHEMA.format(**SQL_TYPES[dialect])
+    return [s.strip() for s in sql.split(";") if s.strip()]
+
+
+def log_table(dialect: str = "sqlite") -> str:
+    """The CREATE statement of the change log as it is now (a schema-2 store gets it)."""
+    return next(s for s in schema_statements(dialect) if s.startswith("CREATE TABLE log"))
+
+
+def added_column_sql(table: str, column: str, type_: str, dialect: str = "sqlite") -> str:
+    """ALTER TABLE adding one of ADDED_COLUMNS in `dialect`."""
+    return f"ALTER TABLE {table} ADD COLUMN {column} {type_.format(**SQL_TYPES[dialect])}"
 
 
 def new_token() -> str:
@@ -91,7 +128,8 @@ def create_store(
     try:
         conn.execute("PRAGMA journal_mode=DELETE")
         conn.execute("PRAGMA synchronous=FULL")
-        conn.executescript(_SCHEMA)
+        for stmt in schema_statements():
+            conn.execute(stmt)
         now = utc_now()
         n, chunk, max_id = 0, [], -1
         for item_id, label, source, metadata, emb, *thumb in rows:
@@ -166,22 +204,18 @@ def migrate_store(conn: sqlite3.Connection) -> bool:
     try:
         # each step adds only what is missing: a store may have been written by a version
         # between two schema numbers (columns are only ever added)
-        items = {r[1] for r in conn.execute("PRAGMA table_info(items)")}
-        if "thumbnail" not in items:
-            conn.execute("ALTER TABLE items ADD COLUMN thumbnail BLOB")
         has_log = conn.execute(
             "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'log'"
         ).fetchone()
         if not has_log:  # the log table as it is now (with its token column)
-            conn.execute(_LOG_TABLE)
+            conn.execute(log_table())
             conn.execute(
                 "INSERT OR REPLACE INTO meta (key, value) "
                 "SELECT 'log_floor', value FROM meta WHERE key = 'last_seq'"
             )
-        elif "token" not in {r[1] for r in conn.execute("PRAGMA table_info(log)")}:
-            conn.execute("ALTER TABLE log ADD COLUMN token TEXT")
-        if "world" not in items:
-            conn.execute("ALTER TABLE items ADD COLUMN world BLOB")
+        for table, column, type_ in ADDED_COLUMNS:
+            if column not in {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}:
+                conn.execute(added_column_sql(table, column, type_))
         conn.execute(
             "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(STORE_SCHEMA_VERSION),)
         )

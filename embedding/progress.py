@@ -37,9 +37,14 @@ class Progress:
         stream: TextIO | None = None,
         isatty: bool | None = None,
         write: Callable[[str], None] | None = None,
+        later_units: int = 0,
+        later_seconds: float = 0.0,
     ):
         """`stream`: where the bar or lines go (stderr); `isatty`: override the terminal test;
-        `write`: lines go to this callable instead (a logger), never a bar."""
+        `write`: lines go to this callable instead (a logger), never a bar. `later_units`,
+        `later_seconds`: the work that follows this bar (the next epochs): "~N left" is the
+        whole job's, this bar's pace applied to `later_units` plus `later_seconds`."""
+        self.later_units, self.later_seconds = later_units, later_seconds
         self.total, self.desc, self.unit = total, desc, unit
         self.every = log_every() if every is None else every
         self.done = 0
@@ -89,8 +94,8 @@ class Progress:
             parts.append(self.status)
         parts.append(f"{el:.0f} s")
         if self.total and 0 < self.done < self.total:
-            left = el / self.done * (self.total - self.done)
-            parts.append(f"~{_duration(left)} left")
+            left = el / self.done * (self.total - self.done + self.later_units)
+            parts.append(f"~{_duration(left + self.later_seconds)} left")
         line = f"{self.desc}: " + ", ".join(parts)
         if self._write_line is not None:
             self._write_line(line)

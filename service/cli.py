@@ -107,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
         from pydantic import ValidationError
 
-        from .app import create_app
-        from .config import Settings
-        from .server import guarded_protocol, raise_fd_limit
-        from .startup import ServiceHost
+        from service.config import Settings
+        from service.http.app import create_app
+        from service.http.server import guarded_protocol, raise_fd_limit
+        from service.startup import ServiceHost
     except ImportError as e:
         print(
             f"snca-serve: error: {e} (install the serve extra: pip install 'snca[serve]')",
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         print(f"snca-serve: error: {msgs}", file=sys.stderr)
         return 2
-    from .workers import WORKER_FD, exec_supervisor, signal_ready_when
+    from service.workers import WORKER_FD, exec_supervisor, signal_ready_when
 
     worker_fd = os.environ.get(WORKER_FD)
     if settings.workers > 1 and worker_fd is None:
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     from embedding.sysalloc import keep_freed_memory
 
     keep_freed_memory()
-    from .logs import setup_logging
+    from service.http.logs import setup_logging
 
     setup_logging(settings.log_level)
     host = ServiceHost(settings)

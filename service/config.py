@@ -12,9 +12,8 @@ from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_valid
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from embedding.votes import VOTES
-
-from .datadir import STORE_FILE, default_data_dir
-from .pgstore import is_postgres_url
+from service.store.datadir import STORE_FILE, default_data_dir
+from service.store.postgres import is_postgres_url
 
 
 class Settings(BaseSettings):

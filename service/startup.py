@@ -2,7 +2,7 @@
 
 `open` (before the port is bound, so that a bad model, index or store is an exit status 2 with
 a message): load the model and its index dir, start the model thread, find the data dir and
-decide whether its gallery store must first be carried to this model (service/migration.py).
+decide whether its gallery store must first be carried to this model (service/store/migration.py).
 
 `finish`: carry the gallery if needed (in the background when started by snca-serve, with
 /readyz saying "migrating N of M" meanwhile), open the store, load the index snapshot or the
@@ -29,16 +29,15 @@ from embedding.progress import Progress
 from embedding.rundir import RunDir
 from embedding.world import WORLD_FILE, WorldFit
 from embedding.world import load as load_world_fit
-
-from .config import Settings
-from .datadir import DataDir
-from .gallery import Gallery, VectorIndex
-from .metrics import Metrics
-from .migration import Migration, Plan, Report, Target, exclusive, plan, settle
-from .runtime import ModelRuntime
-from .snapshot import load_snapshot
-from .state import ServiceState
-from .stores import open_gallery_store
+from service.config import Settings
+from service.gallery import Gallery, VectorIndex
+from service.gallery.snapshot import load_snapshot
+from service.http.metrics import Metrics
+from service.model.runtime import ModelRuntime
+from service.state import ServiceState
+from service.store.datadir import DataDir
+from service.store.migration import Migration, Plan, Report, Target, exclusive, plan, settle
+from service.store.registry import open_gallery_store
 
 log = logging.getLogger("snca.service")
 
@@ -136,7 +135,8 @@ def finish_service(
     if o.plan is not None:
         report = _migrate(o, settings, progress, status)
     ix, data = o.index, o.data
-    store = open_gallery_store(settings, ix.store, o.fingerprint, ix.manifest.index_id)
+    target = settings.store_url or settings.store_path
+    store = open_gallery_store(target, ix.store, o.fingerprint, ix.manifest.index_id)
     try:
         loaded = load_gallery(store, ix.index, ix.manifest, o.fingerprint, data, snapshot=True)
         g = Gallery(

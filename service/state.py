@@ -17,24 +17,18 @@ from pathlib import Path
 import numpy as np
 
 from embedding.index import IndexManifest
-
-from .cache import Recent
-from .config import Settings
-from .datadir import DataDir
-from .gallery import Gallery
-from .gate import Gate
-from .metrics import Metrics
-from .migration import Report
-from .runtime import ModelRuntime
-from .snapshot import Snapshotter, write_snapshot
-from .store import (
-    ChangeSet,
-    GalleryStore,
-    StoreCarriedAway,
-    StoreUnavailable,
-    carried_away_message,
-)
-from .waits import VersionWaits
+from service.config import Settings
+from service.gallery import Gallery
+from service.gallery.snapshot import Snapshotter, write_snapshot
+from service.http.cache import Recent
+from service.http.gate import Gate
+from service.http.metrics import Metrics
+from service.http.waits import VersionWaits
+from service.model.runtime import ModelRuntime
+from service.store import ChangeSet, Store, StoreCarriedAway, StoreUnavailable
+from service.store.datadir import DataDir
+from service.store.migration import Report
+from service.store.records import carried_away_message
 
 log = logging.getLogger("snca.service")
 
@@ -45,7 +39,7 @@ class ServiceState:
         settings: Settings,
         metrics: Metrics,
         runtime: ModelRuntime,
-        store: GalleryStore,
+        store: Store,
         gallery: Gallery,
         data: DataDir,
         manifest: IndexManifest,

@@ -1,4 +1,9 @@
+import fcntl
+import hashlib
+import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,17 +25,60 @@ def fashion_train():
 SHORT = dict(subset=10000, val_size=1000, epochs=8, seed=0, lr_schedule="cosine")
 
 
+def cli_args(options: dict) -> list[str]:
+    """{"val_size": 1000, "no_progress": True} -> ["--val-size", "1000", "--no-progress"]."""
+    out = []
+    for k, v in options.items():
+        flag = "--" + k.replace("_", "-")
+        out += [flag] if v is True else [flag, str(v)]
+    return out
+
+
+class Models:
+    """The test models: each distinct training run once per test session, shared by every test
+    (and every pytest-xdist worker) that asks for the same options. A run is trained into the
+    session's shared temp dir under a name made of its options, behind a file lock: the first
+    asker trains, the others wait for it and then reuse it."""
+
+    def __init__(self, root: Path):
+        self.root = root / "models"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def run(self, index: bool = False, **options) -> tuple[Path, str]:
+        """(run dir, training's stdout) of `python -m training` with `options` (+ its index
+        dir, run/index, built by `python -m index_builder` when `index`)."""
+        key = hashlib.sha256(json.dumps([options, index], sort_keys=True).encode()).hexdigest()
+        where = self.root / key[:16]
+        where.mkdir(exist_ok=True)
+        with open(where / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # held while the first asker trains
+            done = where / "stdout.txt"
+            if not done.exists():
+                out = where / "run"
+                shutil.rmtree(out, ignore_errors=True)
+                p = run_cli("training", *cli_args(options), "--no-progress", "--out", out)
+                assert p.returncode == 0, p.stderr
+                if index:
+                    q = run_cli("index_builder", out, "--out", out / "index", "--no-progress")
+                    assert q.returncode == 0, q.stderr
+                done.write_text(p.stdout)
+        return where / "run", done.read_text()
+
+
 @pytest.fixture(scope="session")
-def short_run(tmp_path_factory):
+def models(tmp_path_factory) -> Models:
+    base = tmp_path_factory.getbasetemp()
+    # under pytest-xdist each worker has its own basetemp below one shared by the session
+    return Models(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
+
+
+@pytest.fixture(scope="session")
+def short_run(models):
     """(run dir, stdout) of `python -m training` with SHORT."""
-    out = tmp_path_factory.mktemp("runs") / "nca"
-    args = [a for k, v in SHORT.items() for a in (f"--{k.replace('_', '-')}", v)]
-    p = run_cli("training", *args, "--out", out, "--no-progress")
-    assert p.returncode == 0, p.stderr
-    return out, p.stdout
+    return models.run(**SHORT)
 
 
-def run_cli(module: str, *args, env=None, timeout=600):
+def run_cli(module: str, *args, env=None, timeout=3600):
     """Run `python -m <module> args` as users do; return the CompletedProcess."""
     import subprocess
     import sys

@@ -42,3 +42,108 @@ def test_no_stage_imports_a_sibling_and_the_contract_imports_no_stage():
     # the check sees imports at all: the stages do import the contract
     for stage in STAGES:
         assert any("embedding" in p for p in imported_packages(stage).values()), stage
+
+
+# ------------------------------------------------------------------------------ inside service/
+# service/'s folders say what runs where; each may import only the layers below it. The assembly
+# (cli, config, startup, state, workers) sits at the top level and may import every folder;
+# config (the settings) is imported by the layers that read settings, and imports only store/.
+SERVICE_TOP = {"__init__", "__main__", "cli", "config", "startup", "state", "workers"}
+SERVICE_LAYERS = {
+    "store": set(),  # the system of record: nothing of the service above it
+    "gallery": {"store"},  # the in-memory index, vote, open set
+    "model": {"store", "gallery", "config"},  # runtime, embedder, batcher
+    "http": {"store", "gallery", "model", "config", "state", "startup"},  # the app, routes
+    "tools": {"store", "gallery", "model", "http", "config", "state", "startup"},  # CLIs
+    "config": {"store"},
+}
+
+
+def service_imports() -> dict[str, set[str]]:
+    """{service module (dotted, under service.): the service modules it imports}."""
+    out = {}
+    for f in (ROOT / "service").rglob("*.py"):
+        mod = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("service.")}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                assert node.level == 0, f"{f}: relative import (write service.<folder>...)"
+                if node.module.startswith("service."):
+                    found.add(node.module)
+                    found |= {f"{node.module}.{a.name}" for a in node.names}
+        out[mod] = found
+    return out
+
+
+def _part(mod: str) -> str:
+    """The layer of a service module: its folder, or its own name at the top level."""
+    return mod.split(".")[1] if mod.count(".") >= 1 else mod
+
+
+def test_service_top_level_holds_only_the_assembly():
+    top = {p.stem for p in (ROOT / "service").glob("*.py")}
+    assert top == SERVICE_TOP, top ^ SERVICE_TOP
+    folders = {p.name for p in (ROOT / "service").iterdir() if p.is_dir() and p.name[0] != "_"}
+    assert folders == set(SERVICE_LAYERS) - {"config"}
+
+
+def test_service_layers_import_only_the_layers_below():
+    bad = []
+    for mod, imports in service_imports().items():
+        layer = _part(mod)
+        if layer not in SERVICE_LAYERS:  # the assembly: anything
+            continue
+        for imp in imports:
+            other = _part(imp)
+            if other != layer and other not in SERVICE_LAYERS[layer]:
+                bad.append(f"{mod} imports {imp}")
+    assert not bad, bad
+    # the check sees imports at all
+    assert "service.store.sqlite" in service_imports()["service.store.registry"]
+
+
+def _cycles(package: str) -> list[list[str]]:
+    """Import cycles between the modules of `package` (module-level and inside functions)."""
+    graph: dict = {}
+    for f in (ROOT / package).rglob("*.py"):
+        mod = ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        graph[mod] = [n for n in ast.walk(ast.parse(f.read_text(), str(f)))]
+    packages = {m for m in graph if (ROOT / m.replace(".", "/")).is_dir()}
+    for mod, nodes in graph.items():
+        deps = set()
+        here = mod if mod in packages else mod.rsplit(".", 1)[0]
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and (node.module or node.level):
+                base = node.module or ""
+                if node.level:  # relative: resolved against the importing module's package
+                    up = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                    base = ".".join([*up, *([base] if base else [])])
+                # `from pkg import mod` depends on the module, not on pkg's __init__
+                subs = {f"{base}.{a.name}" for a in node.names} & set(graph)
+                deps |= subs or {base}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[mod] = deps
+    graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+    found, state = [], {}
+
+    def visit(m, path):
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                found.append([*path[path.index(d) :], d] if d in path else [m, d])
+            elif d not in state:
+                visit(d, [*path, d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return found
+
+
+def test_no_module_imports_form_a_circle():
+    for package in ("training", "service", "embedding", "index_builder"):
+        assert not _cycles(package), (package, _cycles(package))

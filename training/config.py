@@ -13,6 +13,7 @@ from embedding.device import DEVICES
 from embedding.errors import SNCAError
 from embedding.outliers import FAMILIES as OUTLIER_FAMILIES
 from embedding.outliers import TRAINED as OUTLIER_TRAINED
+from embedding.rundir import RunDir
 
 from .memory import MOMENTUM_SCHEDULES
 
@@ -163,3 +164,10 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
         return {}
     TrainConfig.from_dict(data, source=f"config file {path}")  # reject unknown keys early
     return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def run_config(run: Path) -> TrainConfig:
+    """The TrainConfig a run dir was trained with."""
+    d = RunDir(run).read_config()
+    known = TrainConfig.fields()
+    return TrainConfig.from_dict({k: v for k, v in d.items() if k in known})

@@ -34,16 +34,9 @@ from embedding.errors import SNCAError
 from embedding.knn import knn_evaluate, knn_search, weighted_knn_vote
 from embedding.rundir import RunDir
 
-from .config import TrainConfig
+from .config import run_config
 from .datasets import build_data, embed_split, parse_classes, select
 from .protocols import linear_probe, pca_fit, pca_project
-
-
-def run_config(run: Path) -> TrainConfig:
-    """The TrainConfig a run dir was trained with."""
-    d = RunDir(run).read_config()
-    known = TrainConfig.fields()
-    return TrainConfig.from_dict({k: v for k, v in d.items() if k in known})
 
 
 @torch.no_grad()
@@ -173,25 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         a.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
-
-
-def eval_cli(argv: list[str] | None = None) -> int:
-    """`snca-eval closed ...` (this module) or `snca-eval fewshot ...` (training.fewshot)."""
-    argv = sys.argv[1:] if argv is None else argv
-    commands = {"closed": main, "fewshot": None}
-    if not argv or argv[0] not in commands:
-        print(
-            "usage: snca-eval {closed,fewshot} ...\n"
-            "  closed   kNN / +PCA / parametric top-1 of run dirs (python -m training.evaluate)\n"
-            "  fewshot  generalized few-shot and N-way K-shot episodes (python -m training.fewshot)",
-            file=sys.stderr,
-        )
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    if argv[0] == "fewshot":
-        from .fewshot import main as fewshot_main
-
-        return fewshot_main(argv[1:])
-    return main(argv[1:])
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ from embedding.rundir import RunDir
 from embedding.transforms import eval_transform
 from embedding.votes import VOTES, GalleryView, get_rule
 
+from .config import run_config
 from .datasets import build_data
-from .evaluate import run_config
 from .protocols import episode_accuracy, mean_ci95, sample_episodes
 
 

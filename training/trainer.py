@@ -428,12 +428,14 @@ class Trainer:
 
     def run(self) -> RunResult:
         t_run = time.perf_counter()
+        self.epoch_seconds: list[float] = []  # this process's whole epochs (train + evaluation)
         for epoch in range(self.start_epoch, self.cfg.epochs):
             t0 = time.perf_counter()
             rec = self.train_epoch(epoch)
             if self.dist.is_main:
                 self.end_epoch(epoch, rec, t0, self.wall_before + time.perf_counter() - t_run)
             self.dist.barrier()
+            self.epoch_seconds.append(time.perf_counter() - t0)
         result = RunResult(out=Path(self.cfg.out), metrics=self.metrics)
         if self.dist.is_main:
             result.summary = self.export(self.wall_before + time.perf_counter() - t_run)
@@ -452,7 +454,19 @@ class Trainer:
         acc = torch.zeros(3, dtype=torch.float64, device=device)
         seen = 0
         desc = f"epoch {epoch + 1}/{cfg.epochs}"
-        with Progress(steps, desc, "steps", enabled=cfg.progress and dist.is_main) as bar:
+        # "~N left" is the run's: the epochs after this one at the pace of the whole epochs done
+        # (evaluation included), or, in the first, at this epoch's pace
+        after = cfg.epochs - epoch - 1
+        done = getattr(self, "epoch_seconds", [])
+        later = dict(later_seconds=after * sum(done) / len(done)) if done else {}
+        with Progress(
+            steps,
+            desc,
+            "steps",
+            enabled=cfg.progress and dist.is_main,
+            later_units=0 if done else after * steps,
+            **later,
+        ) as bar:
             for i, (x, y, slots) in enumerate(self.loader):
                 lr = lr_at(cfg, epoch * steps + i, steps)
                 for g in self.opt.param_groups:

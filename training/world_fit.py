@@ -45,8 +45,8 @@ def fit_run_world(net, data: Data, seed: int, device: torch.device, log=print) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .config import run_config
     from .datasets import build_data
-    from .evaluate import run_config
 
     ap = argparse.ArgumentParser(prog="python -m training.world_fit", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip

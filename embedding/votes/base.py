@@ -121,6 +121,13 @@ class VoteRule(ABC):
     needs_neighbors: ClassVar[bool] = False
     needs_similarities: ClassVar[bool] = False
 
+    def fused_kde_prior(self) -> float | None:
+        """Whether the service may run this rule as its one fused kde call
+        (service/gallery/compiled.py: similarities, per-label densities and top labels in one
+        compiled call): None for no (the generic path, `probs`), else the α of the shrinkage
+        prior that call applies (0: none). A rule says it here; nothing checks its type."""
+        return None
+
     def probs(
         self,
         queries: torch.Tensor,

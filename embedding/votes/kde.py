@@ -165,6 +165,9 @@ class Kde(VoteRule):
             "kde", lambda: kde_prepare(view.labels, view.num_classes, view.temperature)
         )
 
+    def fused_kde_prior(self) -> float | None:
+        return 0.0  # plain kde: the fused call without a prior
+
     def log_density(self, x: VoteInput) -> torch.Tensor:
         """(Q, C) log f_c of every label (-inf: no items), exact."""
         v = x.view

@@ -44,6 +44,9 @@ class KdeShrunk(Kde):
     name = "kde_shrunk"
     alpha = ALPHA
 
+    def fused_kde_prior(self) -> float | None:
+        return float(self.alpha)
+
     def vote(self, x: VoteInput) -> torch.Tensor:
         v = x.view
         if not bool((v.counts > 0).any()):

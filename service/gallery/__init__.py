@@ -3,9 +3,9 @@
 (embedding.votes) and the compiled kde path (compiled.py), the open-set calibration
 (openset.py) and a label's diagnostics (diagnostics.py), put together in gallery.py."""
 
-from .diagnostics import Diagnostics
-from .gallery import Classification, Gallery
-from .lock import RWLock
-from .vectors import VectorIndex
+from service.gallery.diagnostics import Diagnostics
+from service.gallery.gallery import Classification, Gallery
+from service.gallery.lock import RWLock
+from service.gallery.vectors import VectorIndex
 
 __all__ = ["Classification", "Diagnostics", "Gallery", "RWLock", "VectorIndex"]

@@ -20,18 +20,18 @@ import torch
 
 from embedding import openset
 from embedding.openset import label_groups, label_kth, label_kth_grouped
-from embedding.votes import RULES, Candidates, GalleryView, Kde, KdeShrunk, Neighbors, VoteRule
+from embedding.votes import RULES, Candidates, GalleryView, Kde, Neighbors, VoteRule
 from embedding.world import DEFAULT_TPR as WORLD_TPR
 from embedding.world import WorldFit
-
-from ..store import Item
-from .compiled import scripted_kde_top
-from .diagnostics import Diagnostics, diagnose, world_warning
-from .lock import RWLock
-from .openset import OpenSet
-from .rows import LabelStats, Rows
-from .vectors import VectorIndex
-from .world import NO_CHECK, Worlds, WorldVerdict
+from service.gallery.compiled import scripted_kde_top
+from service.gallery.diagnostics import Diagnostics, diagnose, world_warning
+from service.gallery.lock import RWLock
+from service.gallery.openset import OpenSet
+from service.gallery.query import VoteQuery
+from service.gallery.rows import LabelStats, Rows
+from service.gallery.vectors import VectorIndex
+from service.gallery.world import NO_CHECK, Worlds, WorldVerdict
+from service.store.records import Item
 
 # The rules are stateless: one instance each.
 _RULES: dict[str, VoteRule] = {name: cls() for name, cls in RULES.items()}
@@ -108,7 +108,7 @@ class Gallery:
     def version(self, v: int) -> None:
         self._version = v
         if self.on_version is not None:
-            self.on_version(v)  # wakes the requests parked for it (service/waits.py)
+            self.on_version(v)  # wakes the requests parked for it (service/http/waits.py)
 
     # ------------------------------------------------------------------ writes (store first)
     def load_items(self, items: list[Item]) -> None:
@@ -413,8 +413,17 @@ class Gallery:
         the rule `vote`, optionally restricted to `labels`; the k nearest items (the kNN
         voters) when asked; with the queries' world statistics `stats` (B, D), whether each
         is of its chosen label's world (Classification.world)."""
+        labels_ = None if labels is None else tuple(labels)
+        return self.answer(q, VoteQuery(vote, k, labels_, neighbors), stats)
+
+    def answer(
+        self, q: np.ndarray | torch.Tensor, query: VoteQuery, stats: np.ndarray | None = None
+    ) -> list[Classification]:
+        """classify with the request's vote parameters as one VoteQuery (what the service's
+        batches carry)."""
         with self.lock.read():
-            out = self._classify(q, vote, k, labels, neighbors)
+            labels = None if query.labels is None else list(query.labels)
+            out = self._classify(q, query.vote, query.k, labels, query.neighbors)
             if stats is not None and self.worlds.fit is not None:
                 z = self.worlds.z(np.asarray(stats, dtype=np.float32))
                 trained = self.stats.counts - self.stats.added
@@ -442,11 +451,11 @@ class Gallery:
         c = view.num_classes
         top = min(5, c)
         kcs = self._kcs(view.counts)
-        if isinstance(rule, Kde) and not neighbors and allowed_labels is None and any_live:
+        alpha = rule.fused_kde_prior()
+        if alpha is not None and not neighbors and allowed_labels is None and any_live:
             _, counts, onehot = Kde.prepared(view)
             if onehot is not None:
-                # the common request (kde, no filter, no neighbours): one compiled call
-                alpha = float(rule.alpha) if isinstance(rule, KdeShrunk) else 0.0
+                # the common request (a kde rule, no filter, no neighbours): one compiled call
                 order, starts = self._groups(view)
                 best, vals, idx, total, score = scripted_kde_top()(
                     qt, view.embeddings, onehot, counts, self.temperature, top, live,

@@ -21,8 +21,7 @@ import numpy as np
 
 from embedding import openset
 from embedding.world import WorldFit
-
-from .openset import LabelSample
+from service.gallery.openset import LabelSample
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,8 @@ def test_every_choice_of_rule_comes_from_the_registry():
 
     from service.cli import build_parser
     from service.config import Settings
-    from service.routes.classify import ClassifyQuery
-    from service.routes.page import page
+    from service.http.routes.classify import ClassifyQuery
+    from service.http.routes.page import page
 
     assert set(VOTES) == set(RULES) == {"knn", "prototype", "kde", "kde_shrunk"}
     schema = ClassifyQuery.model_json_schema()["properties"]["vote"]

@@ -13,24 +13,9 @@ from tests.conftest import run_cli
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs") / "tiny"
-    p = run_cli(
-        "training",
-        "--subset",
-        "700",
-        "--val-size",
-        "100",
-        "--epochs",
-        "1",
-        "--batch-size",
-        "64",
-        "--no-progress",
-        "--out",
-        out,
-    )
-    assert p.returncode == 0, p.stderr
-    return out
+def tiny_run(models):
+    run, _ = models.run(subset=700, val_size=100, epochs=1, batch_size=64)
+    return run
 
 
 @pytest.mark.parametrize("source", ["memory", "recompute"])

@@ -14,34 +14,18 @@ import pytest
 from PIL import Image
 
 from embedding.datasets import load_raw
-from tests.conftest import run_cli
 
 BASE = "1,5,7,8,9"  # Trouser, Sandal, Sneaker, Bag, Ankle boot; T-shirt (0) is added at run time
 
 
+# ~25 s: a tiny model of five base classes with its index (most service tests serve it)
+BASE_RUN = dict(classes=BASE, subset=2000, val_size=200, epochs=2, batch_size=64)
+
+
 @pytest.fixture(scope="session")
-def base_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("svc") / "run"
-    p = run_cli(
-        "training",
-        "--classes",
-        BASE,
-        "--subset",
-        "2000",
-        "--val-size",
-        "200",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "64",
-        "--no-progress",
-        "--out",
-        out,
-    )
-    assert p.returncode == 0, p.stderr
-    p = run_cli("index_builder", out, "--out", out / "index", "--no-progress")
-    assert p.returncode == 0, p.stderr
-    return out
+def base_run(models):
+    run, _ = models.run(index=True, **BASE_RUN)
+    return run
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +78,7 @@ class Server:
         prefix: tuple[str, ...] = (),
         wait_for: str | None = "/readyz",
         cwd: Path | None = None,
-        timeout: float = 60,
+        timeout: float = 600,
         poll: float = 0.2,
     ):
         """`data_dir` None: the default one (data/<model name> under `cwd`); `prefix`: a
@@ -126,7 +110,7 @@ class Server:
         )
         self.wait(wait_for or "/healthz", timeout, poll)
 
-    def wait(self, route: str = "/readyz", timeout: float = 60, poll: float = 0.2) -> None:
+    def wait(self, route: str = "/readyz", timeout: float = 600, poll: float = 0.2) -> None:
         """Until `route` answers 200 (RuntimeError with the log if the server exits first)."""
         deadline = time.time() + timeout
         while time.time() < deadline:

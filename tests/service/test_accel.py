@@ -4,7 +4,7 @@ import torch
 
 from embedding.config import ModelConfig
 from embedding.model import EmbeddingNet
-from service.accel import optimize_for_cpu
+from service.model.accel import optimize_for_cpu
 
 
 def _model():

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from service.batcher import MicroBatcher
+from service.model.batcher import MicroBatcher
 
 
 def _run(coro):

@@ -6,7 +6,7 @@ import ctypes
 import torch
 
 from embedding import load_model
-from service.embedder import Embedder
+from service.model.embedder import Embedder
 
 
 class _MallInfo2(ctypes.Structure):
@@ -71,7 +71,7 @@ def test_fused_small_batch_copies_give_the_eager_vectors(base_run):
     """A fused copy (one per batch size, checked at start on its own example) gives the eager
     model's vectors on other images too, and embed() routes each size to its copy."""
     from embedding.transforms import normalize_batch
-    from service.accel import fuse_for_shape
+    from service.model.accel import fuse_for_shape
 
     e = _embedder(base_run)
     torch.set_num_threads(1)
@@ -100,7 +100,7 @@ def test_fused_small_batch_copies_give_the_eager_vectors(base_run):
 def test_fuse_for_shape_refuses_a_copy_that_differs():
     from embedding.config import ModelConfig
     from embedding.model import EmbeddingNet
-    from service.accel import NormalizedInput, fuse_for_shape
+    from service.model.accel import NormalizedInput, fuse_for_shape
 
     m = NormalizedInput(EmbeddingNet(ModelConfig()).eval(), ModelConfig())
     x = torch.randint(0, 256, (2, 1, 28, 28), dtype=torch.uint8)

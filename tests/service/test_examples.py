@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from index_builder.build import BuildConfig, build
-from service.examples import logo, write_examples
+from service.tools.examples import logo, write_examples
 
 from .test_routes import make_client
 

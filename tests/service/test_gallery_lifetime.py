@@ -61,7 +61,7 @@ def test_retraining_in_place_keeps_every_added_label(base_run, tmp_path, fmnist_
     assert _sha(store) == digest  # neither command touched the gallery
 
     new_fp = RunDir(run).load_model_card()[1]
-    srv = Server(run, None, cwd=tmp_path, timeout=300)
+    srv = Server(run, None, cwd=tmp_path)
     try:
         ready = httpx.get(srv.url + "/readyz").json()
         assert ready["model_fingerprint"] == new_fp and ready["migration"]["carried"] == 5
@@ -98,7 +98,7 @@ def test_sigkill_in_the_middle_of_a_migration_loses_nothing(base_run, tmp_path, 
     srv = Server(new, data, {"SNCA_MIGRATION_BATCH": "1"}, wait_for=None, poll=0.01)
     seen = None
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 600
         while time.time() < deadline:
             body = httpx.get(srv.url + "/readyz", timeout=5).json()
             if body["status"] == "migrating" and 0 < body["migrated"] < body["total"]:
@@ -111,7 +111,7 @@ def test_sigkill_in_the_middle_of_a_migration_loses_nothing(base_run, tmp_path, 
     assert seen is not None and seen[1] == 2048 and "of 2048" in seen[2], seen
     print(f"killed with {seen[0]} of {seen[1]} items carried")
 
-    srv = Server(new, data, timeout=300)  # resumes where the killed one stopped
+    srv = Server(new, data)  # resumes where the killed one stopped
     try:
         srv.log.flush()
         assert "resuming the migration" in Path(srv.log.name).read_text()

@@ -89,3 +89,30 @@ def test_every_rule_answers_when_no_item_qualifies():
             res = g.classify(q, vote, 30, labels=["c"], neighbors=neighbors)
             assert [r.label for r in res] == [None] * 3, vote
             assert all(r.neighbors == [] for r in res)
+
+
+def test_every_rule_that_claims_the_fused_path_takes_it_and_matches_its_own_vote(monkeypatch):
+    """The fused call is chosen by the rule's own `fused_kde_prior`, not by its type: each rule
+    that answers with a prior runs the compiled call once per batch and gives what its own step
+    by step vote gives; the others never reach it."""
+    from embedding.votes import RULES
+
+    compiled = gallery_mod.scripted_kde_top()
+    calls = []
+    monkeypatch.setattr(
+        gallery_mod, "scripted_kde_top", lambda: lambda *a: calls.append(1) or compiled(*a)
+    )
+    rng = np.random.default_rng(3)
+    g = _gallery(rng)
+    q = _unit(rng, 7)
+    fused = [name for name, rule in RULES.items() if rule().fused_kde_prior() is not None]
+    assert {"kde", "kde_shrunk"} <= set(fused)
+    for name in RULES:
+        calls.clear()
+        fast = g.classify(q, name, 30)
+        slow = g.classify(q, name, 30, neighbors=True)
+        assert len(calls) == (1 if name in fused else 0), name
+        for f, s in zip(fast, slow, strict=True):
+            assert f.label == s.label, name
+            for (_, pf), (_, ps) in zip(f.probabilities, s.probabilities, strict=True):
+                assert pf == pytest.approx(ps, abs=1e-6), name

@@ -1,4 +1,4 @@
-"""python -m service.migrate: added labels move from an old store to a running service."""
+"""python -m service.tools.label_copy: added labels move from an old store to a running service."""
 
 import json
 
@@ -29,10 +29,10 @@ def test_migrate_added_labels_to_a_running_service(base_run, tmp_path, fmnist_te
     before = store.read_bytes()
     target = Server(base_run, tmp_path / "new", {"SNCA_API_KEY": "k"})
     try:
-        p = run_cli("service.migrate", store, target.url, "--api-key", "wrong")
+        p = run_cli("service.tools.label_copy", store, target.url, "--api-key", "wrong")
         assert p.returncode == 1 and "401" in p.stderr
         p = run_cli(
-            "service.migrate",
+            "service.tools.label_copy",
             store,
             target.url,
             "--labels",
@@ -56,7 +56,9 @@ def test_migrate_added_labels_to_a_running_service(base_run, tmp_path, fmnist_te
         ).json()["items"]
         assert hits[0]["similarity"] > 0.999 and hits[0]["metadata"]["n"] == 1
         assert "migrated_from" in hits[0]["metadata"]
-        p = run_cli("service.migrate", store, target.url, "--api-key", "k")  # again: tee is there
+        p = run_cli(
+            "service.tools.label_copy", store, target.url, "--api-key", "k"
+        )  # again: tee is there
         assert p.returncode == 0 and "'tee': the target has it already" in p.stdout
         labels = {
             x["label"]: x["count"]
@@ -66,4 +68,4 @@ def test_migrate_added_labels_to_a_running_service(base_run, tmp_path, fmnist_te
     finally:
         target.kill(15)
     assert store.read_bytes() == before  # the old store is only read
-    assert run_cli("service.migrate", tmp_path / "nope.sqlite", target.url).returncode == 2
+    assert run_cli("service.tools.label_copy", tmp_path / "nope.sqlite", target.url).returncode == 2

@@ -1,5 +1,5 @@
 """A user's gallery outlives every model: on a store made under another model the service
-carries every added item over before it serves (service/migration.py)."""
+carries every added item over before it serves (service/store/migration.py)."""
 
 import json
 import os
@@ -13,12 +13,12 @@ import pytest
 
 from embedding.rundir import RunDir
 from index_builder.build import BuildConfig, build
-from service import migration
 from service.config import Settings
-from service.datadir import DataDir
-from service.metrics import Metrics
-from service.migration import Migration
+from service.http.metrics import Metrics
 from service.startup import open_service
+from service.store import migration
+from service.store.datadir import DataDir
+from service.store.migration import Migration
 
 from .conftest import of_class, png, replaced_model
 from .test_routes import make_client as _make_client
@@ -35,7 +35,7 @@ def new_model(base_run, tmp_path_factory):
     return replaced_model(base_run, tmp_path_factory.mktemp("new") / "run")
 
 
-def wait_ready(client, timeout: float = 180) -> dict:
+def wait_ready(client, timeout: float = 600) -> dict:
     """Poll /readyz until 200 (a migration runs in the background meanwhile)."""
     deadline = time.time() + timeout
     seen = set()
@@ -334,7 +334,7 @@ def test_a_rolling_upgrade_loses_no_acknowledged_add(base_run, new_model, tmp_pa
     time.sleep(1.0)
     b = None
     try:
-        b = Server(new_model, data, {"SNCA_FUSED_BATCHES": "0"}, timeout=300)
+        b = Server(new_model, data, {"SNCA_FUSED_BATCHES": "0"})
         stop.set()
         t.join(timeout=60)
         ready = httpx.get(b.url + "/readyz").json()
@@ -401,7 +401,7 @@ def test_two_new_models_starting_together_carry_the_gallery_once(
         urls.append(f"http://127.0.0.1:{port}")
     try:
         for i, ((p, _), url) in enumerate(zip(procs, urls, strict=True)):
-            deadline = time.time() + 300
+            deadline = time.time() + 600
             while True:
                 assert p.poll() is None, (tmp_path / f"b{i}.log").read_text()
                 try:

@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from service.multipart import FormError, file_parts, is_multipart
+from service.http.multipart import FormError, file_parts, is_multipart
 
 
 def encode(files, data=None):

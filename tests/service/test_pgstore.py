@@ -8,7 +8,7 @@ import sqlite3
 import numpy as np
 import psycopg
 
-from service.pgstore import PostgresStore, redact
+from service.store.postgres import PostgresStore, redact
 
 from .pg import postgres  # noqa: F401 (fixture)
 

@@ -9,8 +9,9 @@ from PIL import Image
 
 from embedding import load_model
 from service.config import Settings
-from service.embedder import Embedder
-from service.runtime import Job
+from service.gallery.query import VoteQuery
+from service.model.embedder import Embedder
+from service.model.runtime import Job
 from service.startup import ServiceHost
 
 
@@ -55,7 +56,7 @@ def test_run_batch_matches_one_by_one(base_run, tmp_path):
     st = host.finish().runtime
     try:
         px = [st.embedder.pixels(Image.fromarray(a)) for a in _images(3, seed=5)]
-        params = ("kde", 30, None, False)
+        params = VoteQuery("kde", 30)
         jobs = [Job("classify", px[0], params), Job("embed", px[1]), Job("classify", px[2], params)]
         out = st.batcher.call(lambda: st._run_batch(jobs))
         row = out[1].copy()

@@ -20,7 +20,7 @@ import pytest
 from .conftest import Server, free_port, of_class, png
 from .pg import postgres  # noqa: F401 (fixture)
 
-SECONDS = float(os.environ.get("SNCA_REPLICA_SECONDS", "20"))
+SECONDS = float(os.environ.get("SNCA_REPLICA_SECONDS", "6"))
 H = "X-Min-Gallery-Version"
 
 
@@ -83,7 +83,7 @@ def add(c: httpx.Client, label: str, images: list[bytes]) -> httpx.Response:
     )
 
 
-def state(url: str, version: int = 0, timeout: float = 30) -> dict:
+def state(url: str, version: int = 0, timeout: float = 600) -> dict:
     """/readyz once the replica has applied write `version` (/readyz ignores the header: a
     health check must never wait, so this asks again)."""
     deadline = time.monotonic() + timeout
@@ -258,13 +258,13 @@ def test_a_replica_behind_a_compacted_log_rebuilds_from_the_store(backend, base_
         # forget the history of the deleted items: B's position is no longer in the log
         m = dict(backend.query("SELECT key, value FROM meta"))
         if backend.kind == "sqlite":
-            from service.store import GalleryStore
+            from service.store.sqlite import SqliteStore
 
-            store = GalleryStore(
+            store = SqliteStore(
                 backend.tmp / "data" / "gallery.sqlite", None, m["model_fingerprint"], m["index_id"]
             )
         else:
-            from service.pgstore import PostgresStore
+            from service.store.postgres import PostgresStore
 
             store = PostgresStore(backend.url, None, m["model_fingerprint"], m["index_id"])
         assert store.compact(last) == 4  # the four deleted added items' rows
@@ -300,17 +300,17 @@ def test_postgres_stopped_while_serving_then_back(postgres, base_run, tmp_path, 
             assert r.headers["retry-after"]
             r = c.post("/classify", files={"image": ("q.png", q, "image/png")})
             assert r.status_code == 200 and r.json()["label"]
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 600
             while (r := c.get("/readyz")).status_code == 200 and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert r.status_code == 503 and "store_error" in r.json(), r.text
         finally:
             postgres.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 600
         while (r := add(c, "after", [q])).status_code != 201 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert r.status_code == 201, r.text
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 600
         while c.get("/readyz").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert c.get("/readyz").status_code == 200
@@ -356,7 +356,7 @@ def test_replicas_started_together_seed_an_empty_database_once(postgres, base_ru
         )
         urls.append(f"http://127.0.0.1:{port}")
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600
         for url, (p, log) in zip(urls, procs, strict=True):
             while True:
                 assert p.poll() is None, log.read_text()
@@ -384,7 +384,7 @@ def test_replicas_started_together_seed_an_empty_database_once(postgres, base_ru
 
 @pytest.mark.slow
 def test_workers_2_share_one_gallery_and_survive_a_killed_worker(base_run, tmp_path, fmnist_train):
-    srv = Server(base_run, tmp_path / "data", None, "--workers", "2", timeout=120)
+    srv = Server(base_run, tmp_path / "data", None, "--workers", "2")
     images = [png(fmnist_train, i) for i in of_class(fmnist_train, 9, 4)]
     try:
         c = httpx.Client(base_url=srv.url, timeout=30)
@@ -392,7 +392,7 @@ def test_workers_2_share_one_gallery_and_survive_a_killed_worker(base_run, tmp_p
         def both(version: int) -> dict[int, dict]:
             """/readyz of each worker (new connections until both pids answered)."""
             seen: dict[int, dict] = {}
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 600
             while len(seen) < 2 and time.monotonic() < deadline:
                 s = state(srv.url, version)
                 seen[s["pid"]] = s
@@ -429,7 +429,7 @@ def test_workers_2_share_one_gallery_and_survive_a_killed_worker(base_run, tmp_p
         time.sleep(2)
         done.set()
         t.join()
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 600
         while "starting it again" not in srv.read_log() and time.monotonic() < deadline:
             time.sleep(0.5)
         time.sleep(1)
@@ -438,7 +438,7 @@ def test_workers_2_share_one_gallery_and_survive_a_killed_worker(base_run, tmp_p
             .execute("SELECT value FROM meta WHERE key = 'last_seq'")
             .fetchone()[0]
         )
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 600
         while True:  # until the new worker is up and both answer
             try:
                 states = both(last)
@@ -510,7 +510,7 @@ def _parked(url: str) -> float:
     return float(re.search(r"^snca_parked_requests (\S+)$", text, re.M).group(1))
 
 
-def _until(what, timeout: float = 20) -> None:
+def _until(what, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while not what():
         assert time.monotonic() < deadline, "timed out"

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
 from service.config import Settings
-from service.schemas import BatchResult, ClassifyResult
+from service.http.app import create_app
+from service.http.schemas import BatchResult, ClassifyResult
 
 from .conftest import of_class, png
 

@@ -162,7 +162,7 @@ def test_batch_larger_than_data(tmp_path):
 
 
 def test_snca_eval_dispatches_and_rejects_unknown_commands(tmp_path, capsys):
-    from training.evaluate import eval_cli
+    from training.eval_cli import eval_cli
 
     assert eval_cli(["nope"]) == 2 and "usage: snca-eval" in capsys.readouterr().err
     assert eval_cli(["closed", str(tmp_path / "missing")]) == 2
@@ -181,3 +181,21 @@ def test_progress_lines_when_the_output_is_not_a_terminal(tmp_path):
     assert len(lines) >= 5 and "steps (" in lines[0] and "\r" not in p.stderr, p.stderr
     q = run_cli("training", *TINY, "--out", tmp_path / "q", env={"SNCA_PROGRESS_SECONDS": "0"})
     assert q.returncode == 0 and "steps (" not in q.stderr, q.stderr
+
+
+def test_a_subset_keeps_most_of_itself_for_training():
+    """--subset 6000 with the default validation split (5,000) once trained on 1,000 images:
+    without --val-size a subset validates on a sixth of itself; an explicit size is kept."""
+    from training.cli import build_parser, resolve_config
+
+    p = build_parser()
+    cfg, _, _ = resolve_config(p.parse_args(["--subset", "6000", "--out", "x"]))
+    assert cfg.val_size == 1000
+    cfg, _, _ = resolve_config(p.parse_args(["--subset", "60000", "--out", "x"]))
+    assert cfg.val_size == 5000
+    cfg, _, _ = resolve_config(
+        p.parse_args(["--subset", "6000", "--val-size", "3000", "--out", "x"])
+    )
+    assert cfg.val_size == 3000
+    cfg, _, _ = resolve_config(p.parse_args(["--out", "x"]))
+    assert cfg.val_size == 5000

@@ -1,0 +1,146 @@
+"""What a request carries, checked before anything is stored: the multipart form, labels
+(Unicode NFC, printable, bounded) and metadata (JSON the store keeps exactly as sent)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import unicodedata
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+
+from service.http.multipart import Form, FormError, is_multipart, parse_form
+from service.http.problems import Problem
+
+# A label: a visible character and no control characters (C0, DEL, C1) or line separators.
+# OpenAPI publishes this as the form's `pattern` and the server checks the same expression
+# (re.search, as JSON Schema validators do): the schema is exact.
+_LABEL_CHAR = r"[^\x00-\x1f\x7f-\x9f\u2028\u2029]"
+LABEL_PATTERN = rf"^{_LABEL_CHAR}*[^\s\x00-\x1f\x7f-\x9f\u2028\u2029]{_LABEL_CHAR}*$"
+_LABEL = re.compile(LABEL_PATTERN)
+
+# Metadata nested deeper than this is refused: responses serialise it, and a stored item that
+# cannot be serialised would break every search that returns it.
+MAX_METADATA_DEPTH = 16
+
+
+async def read_form(request: Request, max_parts: int, fields: tuple[str, ...]) -> Form:
+    """The request's multipart body (an empty Form for another content type: the route's
+    missing-field error then names what it needs); 422 for a field not in `fields`."""
+    ct = request.headers.get("content-type", "")
+    if not is_multipart(ct):
+        return Form()
+    try:
+        form = parse_form(await request.body(), ct, max_parts)
+    except FormError as e:
+        raise Problem(e.status, e.code, e.message) from None
+    unknown = (form.files.keys() | form.fields.keys()) - set(fields)
+    if unknown:
+        raise Problem(
+            422,
+            "unknown_parameter",
+            f"unknown form fields: {', '.join(sorted(unknown))[:200]} (this route takes "
+            f"{', '.join(fields)})",
+        )
+    return form
+
+
+def missing(field: str) -> RequestValidationError:
+    """The 422 FastAPI gives for a missing form field."""
+    return RequestValidationError(
+        [{"type": "missing", "loc": ("body", field), "msg": "Field required", "input": None}]
+    )
+
+
+def text_field(form: Form, name: str, code: str) -> str | None:
+    """The first value of text field `name` (None when absent); 422 `code` unless UTF-8."""
+    values = form.fields.get(name)
+    if not values:
+        return None
+    try:
+        return values[0].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Problem(
+            422, code, f"{name} is not valid UTF-8 ({e.reason} at byte {e.start})"
+        ) from None
+
+
+def normalize_label(label: str) -> str:
+    """The form every label is stored and looked up in: Unicode NFC ("é" typed as one code
+    point or as e + combining accent is the same label), surrounding whitespace removed."""
+    return unicodedata.normalize("NFC", label).strip()
+
+
+def check_label(label: str, max_len: int) -> str:
+    """A label as sent (limits as OpenAPI states them) -> as stored (normalize_label)."""
+    if len(label) > max_len:
+        raise Problem(
+            422, "label_invalid", f"label is {len(label)} characters; the limit is {max_len}"
+        )
+    if not _LABEL.search(label):
+        raise Problem(
+            422,
+            "label_invalid",
+            "label must have a visible character and no control characters or line breaks",
+        )
+    return normalize_label(label)
+
+
+def _finite(text: str) -> float:
+    f = float(text)
+    if not math.isfinite(f):
+        raise ValueError(f"the number {text[:24]} is out of range (it would be stored as null)")
+    return f
+
+
+def _constant(name: str):
+    raise ValueError(f"{name} is not a JSON number (it would be stored as null)")
+
+
+def _depth(v) -> int:
+    """Nesting depth of a JSON value (iterative: no recursion on hostile input)."""
+    deepest, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, dict | list):
+            deepest = max(deepest, d)
+            if d > MAX_METADATA_DEPTH:
+                return d
+            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return deepest
+
+
+def parse_metadata(raw: str | None, n: int, limit: int) -> list[dict | None]:
+    """JSON object (shared by all images) or list of n objects (one per image), refused (422)
+    unless the store would give it back unchanged: no NaN/Infinity, no number out of range,
+    no integer of more digits than Python converts, at most MAX_METADATA_DEPTH levels."""
+    if raw is None or raw == "":
+        return [None] * n
+    size = len(raw.encode())
+    if size > limit:
+        raise Problem(413, "metadata_too_large", f"metadata is {size} bytes; the limit is {limit}")
+    try:
+        md = json.loads(raw, parse_float=_finite, parse_constant=_constant)
+    except json.JSONDecodeError as e:
+        raise Problem(422, "metadata_invalid", f"metadata is not valid JSON: {e}") from None
+    except RecursionError:
+        raise Problem(422, "metadata_invalid", "metadata is nested too deeply") from None
+    except ValueError as e:  # _finite, _constant, or an integer over Python's digit limit
+        raise Problem(422, "metadata_invalid", f"metadata: {e}") from None
+    if _depth(md) > MAX_METADATA_DEPTH:
+        raise Problem(
+            422,
+            "metadata_invalid",
+            f"metadata is nested more than {MAX_METADATA_DEPTH} levels deep",
+        )
+    if isinstance(md, dict):
+        return [md] * n
+    if isinstance(md, list) and len(md) == n and all(isinstance(m, dict) for m in md):
+        return md
+    raise Problem(
+        422,
+        "metadata_invalid",
+        f"metadata must be a JSON object, or a list of {n} objects (one per image)",
+    )

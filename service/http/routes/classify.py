@@ -1,0 +1,291 @@
+"""POST /classify and /classify/batch."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from embedding.votes import VOTES
+from service.gallery import Classification
+from service.gallery.query import VoteQuery
+from service.http.deps import GuardedRoute, access, ready_state
+from service.http.inputs import missing, normalize_label, read_form
+from service.http.problems import Problem
+from service.http.schemas import BatchResult, ClassifyResult, ErrorBody
+from service.state import ServiceState
+
+router = APIRouter(tags=["classify"], route_class=GuardedRoute)
+
+ERRORS = {
+    400: {"model": ErrorBody, "description": "undecodable image or malformed multipart body"},
+    401: {"model": ErrorBody, "description": "missing or wrong API key (SNCA_PROTECT_READS)"},
+    404: {"model": ErrorBody, "description": "a label in the `labels` filter is unknown"},
+    408: {"model": ErrorBody, "description": "the body arrived too slowly"},
+    413: {"model": ErrorBody, "description": "body, image or the request's pixels too large"},
+    415: {"model": ErrorBody, "description": "not an image"},
+    422: {"model": ErrorBody, "description": "invalid or unknown query parameter, missing image"},
+    503: {"model": ErrorBody, "description": "not ready"},
+}
+
+
+class ClassifyQuery(BaseModel):
+    """Query parameters of /classify and /classify/batch."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    k: int | None = Field(None, ge=1, le=1000, description="neighbours that vote (default SNCA_K)")
+    vote: Literal[VOTES] | None = Field(  # every rule of embedding.votes.RULES
+        None,
+        description="voting rule (default SNCA_VOTE): knn (the paper's), prototype, "
+        "kde (density-aware, equal label priors), kde_shrunk (kde with a prior of a few "
+        "pseudo-items from the whole gallery, the default)",
+    )
+    neighbors: bool = Field(False, description="include the k nearest gallery items")
+    labels: list[str] | None = Field(
+        None, description="only consider these labels (repeat the parameter)"
+    )
+    unknown: Literal["on", "off"] = Field(
+        "on", description="off: never flag unknown (the calibrated rule and the fixed floors)"
+    )
+    unknown_tpr: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="the calibrated rule's acceptance rate of the gallery's own kind for this "
+        "request (default SNCA_UNKNOWN_TPR): higher flags fewer images unknown",
+    )
+
+
+# These routes are the hot path: the query is validated by one compiled pydantic model rather
+# than FastAPI's per-parameter machinery and dependencies (~100 us of ~500 us per request for
+# a 28x28 image, docs/PERFORMANCE.md). The same model documents the parameters in OpenAPI.
+_QUERY = TypeAdapter(ClassifyQuery)
+
+
+def _docs(field: str, many: bool) -> dict:
+    """OpenAPI for a route that reads its multipart body itself (service/http/multipart.py)."""
+    binary = {"type": "string", "format": "binary", "minLength": 1}
+    desc = (
+        "1 to SNCA_MAX_IMAGES_PER_REQUEST images"
+        if many
+        else "PNG, JPEG, WebP, BMP, TIFF or GIF; grey or colour"
+    )
+    prop = {"type": "array", "items": binary, "minItems": 1} if many else binary
+    return access(
+        "read",
+        **_QUERY_DOCS,
+        requestBody={
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": [field],
+                        "properties": {field: {**prop, "description": desc}},
+                        "additionalProperties": False,
+                    }
+                }
+            },
+        },
+    )
+
+
+_QUERY_DOCS = {
+    "parameters": [
+        {
+            "name": name,
+            "in": "query",
+            "required": False,
+            "description": f.description,
+            "schema": ClassifyQuery.model_json_schema()["properties"][name],
+            **({"style": "form", "explode": True} if name == "labels" else {}),
+        }
+        for name, f in ClassifyQuery.model_fields.items()
+    ],
+    "security": [{}, {"APIKeyHeader": []}],  # the key only with SNCA_PROTECT_READS
+}
+
+
+def read_query(request: Request) -> tuple[ServiceState, VoteQuery, float | None]:
+    """The ready state (503 otherwise) and the validated query (422 in FastAPI's own error
+    format otherwise) with the defaults applied: (state, the vote's parameters (the labels
+    filter as a sorted tuple or None; 404 for an unknown label), the open-set acceptance rate:
+    None for unknown=off)."""
+    state = ready_state(request)
+    qp = request.query_params
+    raw = {k: v for k, v in qp.items() if k != "labels"}
+    if "labels" in qp:
+        raw["labels"] = qp.getlist("labels")
+    try:
+        q = _QUERY.validate_python(raw, strict=False)
+    except ValidationError as e:
+        errs = [{**err, "loc": ("query", *err["loc"])} for err in e.errors(include_url=False)]
+        raise RequestValidationError(errs) from None
+    labels = q.labels
+    if labels is not None:
+        labels = tuple(sorted({normalize_label(lab) for lab in labels} - {""}))
+        check_labels(state, labels)
+    s = state.settings
+    # None: no unknown at all; 0: the fixed floors only (SNCA_UNKNOWN_TPR=0)
+    tpr = None if q.unknown == "off" else (q.unknown_tpr or s.unknown_tpr)
+    return state, VoteQuery(q.vote or s.vote, q.k or s.k, labels, q.neighbors), tpr
+
+
+def check_labels(state: ServiceState, labels) -> None:
+    """404 `label_unknown` naming the labels of a filter that the gallery does not have."""
+    unknown = [lab for lab in labels if not state.gallery.has_label(lab)]
+    if unknown:
+        raise Problem(404, "label_unknown", f"unknown labels in the filter: {', '.join(unknown)}")
+
+
+def thumbnail_url(item_id: int) -> str:
+    return f"/gallery/items/{item_id}/thumbnail"
+
+
+async def add_thumbnail_urls(state: ServiceState, results: list[dict]) -> None:
+    """Give each neighbour that has a thumbnail in the store its URL (one store query)."""
+    ids = [n["id"] for r in results for n in r.get("neighbors", ())]
+    if not ids:
+        return
+    have = await run_in_threadpool(state.store.with_thumbnails, ids)
+    for r in results:
+        for n in r.get("neighbors", ()):
+            n["thumbnail_url"] = thumbnail_url(n["id"]) if n["id"] in have else None
+
+
+def result(
+    state: ServiceState,
+    c: Classification,
+    vote: str,
+    k: int,
+    neighbors: bool,
+    tpr: float | None,
+    thresholds,
+) -> dict:
+    """A ClassifyResult as a plain dict: routes return it in a JSONResponse, skipping FastAPI's
+    validate-and-serialise pass (a quarter of the per-request CPU for 28x28 images). The
+    route tests check every response against the ClassifyResult schema. `thresholds` (C,) per
+    label id at acceptance `tpr` (None: unknown=off)."""
+    s = state.settings
+    threshold = None
+    if thresholds is not None and 0 <= c.label_id < len(thresholds):
+        t = float(thresholds[c.label_id])
+        threshold = None if t == float("-inf") else t
+    reason = None
+    if tpr is not None:
+        if c.label is not None and not c.world.ok:
+            reason = "outside_world"  # not the kind of image the chosen label holds
+        elif (
+            c.label is None
+            or c.best_similarity < s.unknown_similarity
+            or c.confidence < s.unknown_probability
+            or (
+                threshold is not None
+                and c.unknown_score is not None
+                and c.unknown_score < threshold
+            )
+        ):
+            reason = "no_label_accepts"
+    w = c.world
+    r = {
+        "label": c.label,
+        "confidence": c.confidence,
+        "probabilities": [{"label": lab, "probability": min(1.0, p)} for lab, p in c.probabilities],
+        "unknown": reason is not None,
+        "unknown_reason": reason,
+        "unknown_score": c.unknown_score,
+        "unknown_threshold": threshold,
+        "unknown_tpr": tpr or None,
+        "world_score": w.score,
+        "world_threshold": w.threshold,
+        "world_basis": w.basis,
+        "best_similarity": c.best_similarity,
+        "vote": vote,
+        "k": k,
+        "gallery_version": state.gallery.version,
+        "model_fingerprint": state.fingerprint,
+    }
+    if neighbors:
+        r["neighbors"] = [{"id": i, "label": lab, "similarity": sim} for i, lab, sim in c.neighbors]
+    return r
+
+
+async def read_uploads(request: Request, field: str, max_files: int) -> list[bytes]:
+    """The files of multipart field `field` (at least one; 422 like FastAPI's when missing;
+    413 `too_many_files` above `max_files`)."""
+    got = (await read_form(request, max_files + 8, (field,))).files.get(field)
+    if not got:
+        raise missing(field)
+    if len(got) > max_files:
+        raise Problem(413, "too_many_files", f"{len(got)} images; the limit is {max_files}")
+    return got
+
+
+async def answers(
+    state: ServiceState, prepared: list, query: VoteQuery, tpr: float | None
+) -> list[dict]:
+    """Classify prepared uploads (one job each on the batcher) -> ClassifyResult dicts, in
+    order, with the metrics counted and the neighbours' thumbnail URLs when asked; `tpr`: the
+    open-set acceptance rate (None: unknown=off)."""
+    rt = state.runtime
+    if len(prepared) == 1:  # the common request: no gather (a task per job)
+        cs = [await rt.classify(prepared[0], query)]
+    else:
+        cs = await asyncio.gather(*[rt.classify(p, query) for p in prepared])
+    vote_name, k, neighbors = query.vote, query.k, query.neighbors
+    state.metrics.classified.labels(vote_name).inc(len(cs))
+    thresholds = None
+    if tpr:  # (no lock on the event loop: the cached thresholds, else from a pool thread)
+        thresholds = state.gallery.cached_thresholds(tpr)
+        if thresholds is None:
+            thresholds = await run_in_threadpool(state.gallery.thresholds_at, tpr)
+    out = [result(state, c, vote_name, k, neighbors, tpr, thresholds) for c in cs]
+    unknown = sum(r["unknown"] for r in out)
+    if unknown:
+        state.metrics.unknown.inc(unknown)
+    if neighbors:
+        await add_thumbnail_urls(state, out)
+    return out
+
+
+def _classify_route(path: str, model: type, field: str):
+    """router.post for a classify route reading multipart `field` ("images": several); its
+    docstring's first line is the summary."""
+
+    def register(fn):
+        return router.post(
+            path,
+            response_model=model,
+            responses=ERRORS,
+            response_model_exclude_none=True,
+            summary=fn.__doc__.strip().splitlines()[0],
+            openapi_extra=_docs(field, many=field == "images"),
+        )(fn)
+
+    return register
+
+
+@_classify_route("/classify", ClassifyResult, "image")
+async def classify(request: Request):
+    """Classify one image by its neighbours in the gallery"""
+    state, query, tpr = read_query(request)
+    data = await read_uploads(request, "image", 1)
+    (r,) = await answers(state, await state.runtime.prepare_async(data, ["image"]), query, tpr)
+    return JSONResponse(r)
+
+
+@_classify_route("/classify/batch", BatchResult, "images")
+async def classify_batch(request: Request):
+    """Classify several images; one result per image, in order"""
+    state, query, tpr = read_query(request)
+    limit = state.settings.max_images_per_request
+    datas = await read_uploads(request, "images", limit)
+    names = [f"images[{i}]" for i in range(len(datas))]
+    prepared = await state.runtime.prepare_async(datas, names)
+    return JSONResponse({"results": await answers(state, prepared, query, tpr)})

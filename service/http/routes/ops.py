@@ -1,0 +1,100 @@
+"""GET /healthz, /readyz, /metrics; POST /admin/snapshot."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from service.http.deps import GuardedRoute, StateDep, access, may_read
+from service.http.problems import Problem
+from service.http.schemas import ErrorBody, SnapshotResult
+
+router = APIRouter(tags=["operations"], route_class=GuardedRoute)
+
+
+@router.get("/healthz", summary="The process is alive")
+async def healthz():
+    return {"status": "ok"}
+
+
+@router.get(
+    "/readyz",
+    summary="Model and index loaded, store writable",
+    responses={
+        503: {
+            "description": "starting, migrating, stopping, or the store is not writable "
+            "(the body says which)",
+            "content": {"application/json": {}},
+        }
+    },
+)
+async def readyz(request: Request):
+    host = request.app.state.snca
+    if not host.ready:
+        body = {"status": host.phase, "detail": host.status()}  # (a status, not a problem)
+        if host.phase == "migrating":
+            body["migrated"], body["total"] = host.progress
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+    state = host.state
+    writable = state.store_writable()
+    if not may_read(request):  # SNCA_PROTECT_READS without the key: the status only
+        body = {"status": "ready" if writable else "degraded", "store_writable": writable}
+        return JSONResponse(body, status_code=200 if writable else 503)
+    body = {
+        "status": "ready" if writable else "degraded",
+        "model_fingerprint": state.fingerprint,
+        "items": state.gallery.size(),
+        "gallery_version": state.gallery.version,
+        "gallery_checksum": state.gallery.cached_checksum()
+        or await run_in_threadpool(state.gallery.checksum),
+        "pid": os.getpid(),
+        "hostname": socket.gethostname(),  # which replica answered (behind a load balancer)
+        "store_writable": writable,
+        "data_dir": str(state.data.path),
+        # dense: every row kept and voted over; candidates: past SNCA_EXACT_VOTE_MAX
+        "vote_path": "dense" if state.gallery.rows.dense else "candidates",
+        # the world check (is this the kind of image a label holds): off for an index dir
+        # built before it, or with SNCA_WORLD_TPR=0
+        "world_check": state.gallery.worlds.enabled,
+    }
+    if state.migration is not None:
+        body["migration"] = state.migration.to_dict()
+    body["store"] = state.store.url
+    if state.rebuilds:
+        body["rebuilds"] = state.rebuilds
+    if not writable:
+        body["store_error"] = state.store_problem() or "the store cannot be written"
+    return JSONResponse(body, status_code=200 if writable else 503)
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}},
+)
+async def metrics(request: Request):
+    body, ctype = request.app.state.snca.metrics.render()
+    return Response(body, media_type=ctype)
+
+
+@router.post(
+    "/admin/snapshot",
+    response_model=SnapshotResult,
+    summary="Write an index snapshot now",
+    responses={
+        401: {"model": ErrorBody, "description": "missing or wrong API key"},
+        503: {"model": ErrorBody, "description": "the snapshot cannot be written"},
+    },
+    openapi_extra=access("write"),
+)
+async def snapshot(state: StateDep):
+    try:
+        seq, path = await run_in_threadpool(state.snapshot)
+    except OSError as e:
+        raise Problem(503, "snapshot_failed", f"the snapshot could not be written: {e}") from None
+    return SnapshotResult(seq=seq, path=str(path))

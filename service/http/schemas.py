@@ -1,0 +1,246 @@
+"""Response bodies (OpenAPI documents them with these models)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class Probability(BaseModel):
+    label: str
+    probability: float = Field(..., ge=0, le=1)
+
+
+class Neighbor(BaseModel):
+    id: int
+    label: str
+    similarity: float
+    thumbnail_url: str | None = Field(
+        None, description="GET this for the item's thumbnail; null when none is kept"
+    )
+
+
+class ClassifyResult(BaseModel):
+    label: str | None = Field(
+        ..., description="best guess (also when unknown); null if the gallery is empty"
+    )
+    confidence: float = Field(..., description="probability of `label`")
+    probabilities: list[Probability] = Field(..., description="top 5 labels")
+    unknown: bool = Field(
+        ...,
+        description="nothing in the gallery is like this image: it is not of the chosen label's "
+        "world (world_score over world_threshold), or its unknown_score is under the label's "
+        "unknown_threshold (or, if set, best_similarity under SNCA_UNKNOWN_SIMILARITY or "
+        "confidence under SNCA_UNKNOWN_PROBABILITY); false with unknown=off",
+    )
+    unknown_reason: Literal["outside_world", "no_label_accepts"] | None = Field(
+        None,
+        description="why the image is unknown: outside_world (not the kind of image the "
+        "chosen label holds: the world check), no_label_accepts (of that kind, but no label's "
+        "neighbourhood takes it: the label check); null when it is not unknown",
+    )
+    world_score: float | None = Field(
+        None,
+        description="the world check's distance: for a trained label, the Mahalanobis distance "
+        "per dimension of the image's activation statistics from the training images' (about 1 "
+        "for the training world, larger farther from it); for a label users registered, the "
+        "same distance to its nearest image of the label; null when there is no world check",
+    )
+    world_threshold: float | None = Field(
+        None,
+        description="the distance over which the image is outside the world: for a trained "
+        "label, the quantile that accepts SNCA_WORLD_TPR of held-out known images; for a "
+        "registered label, a radius from its own images' spread",
+    )
+    world_basis: Literal["training", "label"] | None = Field(
+        None,
+        description="what the world check compared with: the training world, or the label's "
+        "own images",
+    )
+    unknown_score: float | None = Field(
+        None,
+        description="open-set score (Sun et al. 2022, label-conditional): cosine similarity to "
+        "the k-th most similar item of `label`, k = min(SNCA_UNKNOWN_K, the label's items - 1)",
+    )
+    unknown_threshold: float | None = Field(
+        None,
+        description="the score under which the image is unknown: the label's leave-one-out "
+        "scores' quantile that accepts unknown_tpr of its own items (pooled over the trained "
+        "labels for a label of fewer than 20 items, or its lowest own score if lower); null "
+        "when there is nothing to calibrate from or unknown=off",
+    )
+    unknown_tpr: float | None = Field(
+        None,
+        description="the acceptance rate the threshold was set for (SNCA_UNKNOWN_TPR or the "
+        "request's unknown_tpr); null when the calibrated rule is off",
+    )
+    best_similarity: float = Field(..., description="cosine of the most similar gallery item")
+    neighbors: list[Neighbor] | None = Field(None, description="the k nearest items, when asked")
+    vote: str
+    k: int
+    gallery_version: int
+    model_fingerprint: str
+
+    model_config = {
+        "json_schema_extra": {
+            "example": {
+                "label": "Sneaker",
+                "confidence": 0.97,
+                "probabilities": [
+                    {"label": "Sneaker", "probability": 0.97},
+                    {"label": "Sandal", "probability": 0.02},
+                ],
+                "unknown": False,
+                "unknown_score": 0.93,
+                "unknown_threshold": 0.88,
+                "unknown_tpr": 0.95,
+                "best_similarity": 0.96,
+                "neighbors": None,
+                "vote": "kde_shrunk",
+                "k": 30,
+                "gallery_version": 3,
+                "model_fingerprint": "sha256:85390a8f...",
+            }
+        }
+    }
+
+
+class BatchResult(BaseModel):
+    results: list[ClassifyResult]
+
+
+class OutlierInfo(BaseModel):
+    id: int
+    sits_with: str = Field(..., description="the label its leave-one-out vote chose")
+    probability: float = Field(..., description="that vote's probability")
+
+
+class LabelDiagnostics(BaseModel):
+    """How a label's images agree with each other and sit among the other labels."""
+
+    label: str
+    count: int = Field(..., description="live items of the label")
+    checked: int = Field(
+        ..., description="images checked: the ones just added, or a sample of up to 200"
+    )
+    agreement: float | None = Field(
+        None,
+        description="share of the checked images that the vote, with the image itself taken "
+        "out of the gallery, still gives this label (leave-one-out); null for a label of one "
+        "image",
+    )
+    cohesion: float | None = Field(
+        None, description="mean cosine between two of the label's items (null under 2 items)"
+    )
+    gallery_cohesion: float | None = Field(
+        None,
+        description="the median cohesion of the gallery's labels of >= 20 items: a label far "
+        "below it is spread out (mixed images, or images the embedding does not group)",
+    )
+    nearest_label: str | None = Field(
+        None, description="the other label whose mean embedding is nearest this label's"
+    )
+    nearest_similarity: float | None = Field(None, description="cosine between the two means")
+    confused_with: dict[str, float] = Field(
+        default_factory=dict,
+        description="labels that the leave-one-out vote gave checked images to (and are not "
+        "unknown there), with the share of images",
+    )
+    outliers: list[OutlierInfo] = Field(
+        default_factory=list, description="checked images that sit with another label"
+    )
+    outside_world: float | None = Field(
+        None,
+        description="share of the images just added that are not the kind of image the model "
+        "was trained on (the world check); such a label is recognised by its own images' world; "
+        "null when not checked",
+    )
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="plain-language warnings: the label overlaps another one (the vote will "
+        "confuse them), suspected mislabelled images, one image already classified as a label",
+    )
+
+
+class AddResult(BaseModel):
+    ids: list[int]
+    label: str
+    count: int = Field(..., description="live items of this label after the add")
+    gallery_version: int
+    diagnostics: LabelDiagnostics | None = Field(
+        None, description="the new images checked against the gallery (null: not computed)"
+    )
+
+
+class SearchItem(BaseModel):
+    id: int
+    label: str
+    similarity: float
+    source: str
+    metadata: dict | None = None
+    thumbnail_url: str | None = Field(
+        None, description="GET this for the item's thumbnail; null when none is kept"
+    )
+
+
+class SearchResult(BaseModel):
+    items: list[SearchItem]
+    gallery_version: int
+
+
+class LabelInfo(BaseModel):
+    label: str
+    count: int
+    source: str = Field(..., description="trained, added, or trained+added")
+
+
+class LabelsResult(BaseModel):
+    labels: list[LabelInfo]
+    total: int = Field(..., description="live items of every label (all pages)")
+    label_count: int = Field(..., description="labels with live items (all pages)")
+    gallery_version: int
+    next_page_token: str | None = Field(
+        None, description="page_token for the next page; null on the last"
+    )
+
+
+class ItemInfo(BaseModel):
+    id: int
+    label: str
+    source: str = Field(..., description="trained (from the index build) or added")
+    metadata: dict | None = None
+    created_at: str = Field(..., description="when it was added (ISO 8601, UTC)")
+    thumbnail_url: str | None = Field(
+        None, description="GET this for the item's thumbnail; null when none is kept"
+    )
+
+
+class ItemsPage(BaseModel):
+    items: list[ItemInfo]
+    next_page_token: str | None = Field(
+        None, description="page_token for the next page; null on the last"
+    )
+    gallery_version: int
+
+
+class DeleteResult(BaseModel):
+    deleted: list[int]
+    label: str | None = None
+    gallery_version: int
+
+
+class SnapshotResult(BaseModel):
+    seq: int
+    path: str
+
+
+class ErrorBody(BaseModel):
+    """RFC 9457 problem details (application/problem+json), service/http/problems.py."""
+
+    type: str = Field("about:blank", description="about:blank: the status says what happened")
+    title: str = Field(..., description="the status's phrase")
+    status: int
+    detail: str = Field(..., description="what went wrong, for a person")
+    code: str = Field(..., description="why, for a program: a stable code (README's table)")
+    request_id: str = Field(..., description="the X-Request-ID of the request (logs have it)")

@@ -1,0 +1,303 @@
+"""Image decoding (content-sniffed, size-checked) and the model forward, off the event loop."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+import warnings
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from embedding.errors import ArtifactError
+from embedding.inference import autocast_context
+from embedding.model import EmbeddingNet, in_space, space_dim
+from embedding.transforms import eval_geometry
+from service.model.accel import NormalizedInput, fuse_for_shape, optimize_for_cpu
+
+# What the service accepts, by the format Pillow reads from the bytes (never the filename).
+FORMATS = {
+    "PNG": "image/png",
+    "JPEG": "image/jpeg",
+    "WEBP": "image/webp",
+    "BMP": "image/bmp",
+    "TIFF": "image/tiff",
+    "GIF": "image/gif",
+}
+
+
+# Leading bytes of each accepted format: a file that starts like one of them but that Pillow
+# cannot identify is a broken image (400), not a foreign format (415).
+SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+)
+
+
+def sniff(data: bytes) -> str | None:
+    """The accepted format `data` claims to be by its leading bytes, or None."""
+    for sig, fmt in SIGNATURES:
+        if data.startswith(sig):
+            return fmt
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    if data[:2] == b"BM" and len(data) >= 14 and int.from_bytes(data[2:6], "little") >= 14:
+        return "BMP"
+    return None
+
+
+# problem `code` by status (service/http/problems.py); an empty file says so itself
+IMAGE_CODES = {400: "image_undecodable", 413: "image_too_large", 415: "image_unsupported"}
+
+
+class ImageError(Exception):
+    """A client's image is unusable; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code or IMAGE_CODES[status]
+
+
+def open_image(data: bytes, max_pixels: int, name: str = "image") -> Image.Image:
+    """Read and check the header only (cheap): 415 for anything that is not one of FORMATS,
+    413 above `max_pixels`, 400 for an empty file or no pixels."""
+    if not data:
+        raise ImageError(400, f"{name}: the file is empty", "image_empty")
+    try:
+        img = Image.open(io.BytesIO(data))  # reads the header only
+    except UnidentifiedImageError:
+        claimed = sniff(data)
+        if claimed:
+            raise ImageError(
+                400,
+                f"{name}: starts like a {claimed} file but cannot be read (truncated or corrupt)",
+            ) from None
+        raise ImageError(415, f"{name}: not an image ({', '.join(FORMATS)} are accepted)") from None
+    except Image.DecompressionBombError as e:
+        raise ImageError(413, f"{name}: too many pixels ({e})") from None
+    except (OSError, ValueError) as e:
+        raise ImageError(400, f"{name}: cannot be decoded: {e}") from None
+    if img.format not in FORMATS:
+        raise ImageError(
+            415, f"{name}: {img.format} images are not accepted ({', '.join(FORMATS)} are)"
+        )
+    w, h = img.size
+    if w < 1 or h < 1:
+        raise ImageError(400, f"{name}: the image has no pixels ({w}x{h})")
+    if w * h > max_pixels:
+        raise ImageError(413, f"{name}: {w}x{h} = {w * h} pixels; the limit is {max_pixels}")
+    return img
+
+
+def load_image(img: Image.Image, name: str = "image") -> tuple[Image.Image, str]:
+    """Decode an `open_image` result: first frame of animations, EXIF orientation applied.
+    400 for a file that claims a format but does not decode (truncated, corrupt, bomb)."""
+    fmt = img.format
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img.seek(0)  # animated images: the first frame
+            img.load()
+            img = ImageOps.exif_transpose(img)  # (returns a copy without .format)
+    except (
+        OSError,
+        ValueError,
+        SyntaxError,
+        EOFError,
+        Image.DecompressionBombError,
+        Image.DecompressionBombWarning,
+    ) as e:
+        raise ImageError(400, f"{name}: cannot be decoded as {FORMATS[fmt]}: {e}") from None
+    return img, FORMATS[fmt]
+
+
+class Embedder:
+    """The model in eval mode with its eval transform (both from the model card)."""
+
+    def __init__(
+        self,
+        model: EmbeddingNet,
+        device: torch.device,
+        amp: bool = True,
+        space="embedding",
+        world: bool = False,
+    ):
+        """`world`: every forward also gives the world statistics (embedding/world.py): rows
+        of [vector (dim) | statistics (world_dim)]; `split` takes them apart."""
+        try:
+            self.model = in_space(model.to(device).eval(), space).eval()  # embedding.model
+        except ValueError as e:
+            raise ArtifactError(str(e)) from None
+        self.world_dim = 0
+        if world:
+            from embedding.world import WorldNet, stats_dim
+
+            self.world_dim = stats_dim(model)
+            self.model = WorldNet(model, space).eval()
+        self.space = space
+        self.device = device
+        self.amp = amp
+        self.geometry = eval_geometry(model.config)
+        self.dim = space_dim(model, space)
+        # uint8 batch -> vectors, normalisation included (what embed() calls; see optimize())
+        self.u8 = NormalizedInput(self.model, self.model.config)
+        self.runner: torch.nn.Module = self.u8
+        self.by_size: dict[int, torch.nn.Module] = {}  # batch size -> fused copy (CPU)
+        self.mode = "eager"
+        # batch size -> (uint8 (B, C, H, W) input tensor, a byte view of it); see stack_pixels
+        self._inputs: dict[int, tuple[torch.Tensor, memoryview]] = {}
+
+    def _example(self, b: int, seed: int) -> torch.Tensor:
+        c, s = self.model.config.in_channels, self.model.config.image_size
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, 256, (b, c, s, s), dtype=torch.uint8, generator=g)
+
+    def optimize(self) -> str:
+        """On CPU, swap in the traced oneDNN module (checked against eager; falls back to it).
+        Call on the thread that will run the model."""
+        if self.device.type == "cpu":
+            self.runner, self.mode = optimize_for_cpu(self.u8, self._example(8, 0))
+        return self.mode
+
+    @torch.inference_mode()
+    def fuse_small_batches(self, up_to: int, memory_mb: float = float("inf")) -> list[int]:
+        """After `optimize`, at the serving thread count: a oneDNN-graph fused copy for each
+        batch size 1..up_to, kept where it is at least 10% faster than the general module
+        (timed here, best of 5), stopping at the first size where it is not (the gain shrinks
+        with the batch) or where the copies would take more than `memory_mb` of resident
+        memory (each holds its own weights and kernels: ~8 MB for conv4, ~100 MB for
+        ResNet-18, measured). Small batches are what a server at moderate load runs, and their
+        fixed cost is what queues requests there. Returns the sizes that got one."""
+        if self.device.type != "cpu" or self.mode != "optimized":
+            return []
+        base = _rss_mb()
+        for b in range(1, up_to + 1):
+            x = self._example(b, b)
+            fused, _why = fuse_for_shape(self.u8, x)
+            if fused is None or _best_time(fused, x) > 0.9 * _best_time(self.runner, x):
+                break
+            if base is not None and _rss_mb() - base > memory_mb:
+                break  # this copy does not fit: dropped
+            self.by_size[b] = fused
+        return sorted(self.by_size)
+
+    def preprocess(self, img: Image.Image) -> torch.Tensor:
+        """PIL image -> uint8 (C, H, W) at the model's size; `embed` normalises the batch."""
+        try:
+            return self.geometry(img)
+        except (OSError, ValueError) as e:
+            raise ImageError(400, f"image cannot be converted: {e}") from None
+
+    def pixels(self, img: Image.Image) -> np.ndarray:
+        """`preprocess` as a C-contiguous uint8 numpy array (C, H, W): what the service queues.
+        A greyscale image already at the model's size (Fashion-MNIST's 28x28) is read with
+        one copy of its bytes, the same values as `preprocess` gives: numpy's and torch's own
+        conversions each release and retake the GIL, which on a busy server means waiting
+        for the other thread each time (docs/PERFORMANCE.md)."""
+        size = self.model.config.image_size
+        if img.mode == "L" and self.model.config.in_channels == 1 and img.size == (size, size):
+            try:
+                data = img.tobytes()
+            except (OSError, ValueError) as e:
+                raise ImageError(400, f"image cannot be converted: {e}") from None
+            return np.frombuffer(data, dtype=np.uint8).reshape(1, size, size)
+        return np.ascontiguousarray(self.preprocess(img).numpy())
+
+    def stack_pixels(self, pixels: list[np.ndarray]) -> torch.Tensor:
+        """`pixels` arrays -> one uint8 (B, C, H, W) tensor, by plain byte copies into an input
+        tensor kept per batch size: no torch or numpy call, each of which would release the
+        GIL and wait to get it back. The tensor is overwritten by the next call with as many
+        images: the model thread, the only caller, uses it before then."""
+        b = len(pixels)
+        entry = self._inputs.get(b)
+        if entry is None:
+            c, s = self.model.config.in_channels, self.model.config.image_size
+            t = torch.empty((b, c, s, s), dtype=torch.uint8)
+            entry = self._inputs[b] = (t, memoryview(t.numpy()).cast("B"))
+        t, flat = entry
+        n = len(flat) // b
+        for i, p in enumerate(pixels):
+            flat[i * n : (i + 1) * n] = memoryview(p).cast("B")
+        return t
+
+    def split(self, rows):
+        """Forward rows (n, dim [+ world_dim]) -> (vectors (n, dim), statistics (n, D) or
+        None), numpy or torch as given; the vectors contiguous."""
+        if not self.world_dim:
+            return rows, None
+        v, s = rows[:, : self.dim], rows[:, self.dim :]
+        if isinstance(rows, torch.Tensor):
+            return v.contiguous(), s.numpy()
+        return np.ascontiguousarray(v), np.ascontiguousarray(s)
+
+    def embed(self, batch: torch.Tensor) -> np.ndarray:
+        """(B, C, H, W) uint8 images from `preprocess` (or already normalised floats)
+        -> (B, d) float32 unit rows (numpy): the vectors alone (`forward` gives the world
+        statistics beside them)."""
+        return np.ascontiguousarray(self.forward(batch).numpy()[:, : self.dim])
+
+    @torch.inference_mode()
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        """`embed` as a CPU torch tensor (the service's vote takes it as it is)."""
+        # uint8: normalised inside the module, once per batch (a fused copy for small sizes)
+        if batch.dtype == torch.uint8:
+            run = self.by_size.get(batch.shape[0], self.runner)
+        else:  # already normalised floats
+            run = self.model
+        if self.device.type == "cpu":
+            # the serving path: one call into the (traced) module and nothing else that
+            # releases and retakes the GIL, which the event loop's thread holds half the time
+            v = run(batch)
+            return v if v.dtype == torch.float32 else v.float()
+        batch = batch.to(self.device, non_blocking=True)
+        with autocast_context(self.device, self.amp):
+            v = run(batch)
+        return v.float().cpu()
+
+    def warmup(self, sizes=(1, 2, 8, 64)) -> None:
+        """Forwards at a few batch sizes (twice: the traced module specialises on its first
+        calls) so that the first requests are not the slow ones."""
+        c, s = self.model.config.in_channels, self.model.config.image_size
+        for b in [*sizes, *sizes]:
+            self.embed(torch.zeros(b, c, s, s, dtype=torch.uint8))
+
+    def warmup_every_size(self, max_batch: int) -> float:
+        """One forward at every batch size 1..max_batch, at the serving thread count; returns
+        the seconds it took. oneDNN builds and caches kernels per input shape (and thread
+        count): conv4 takes ~0.3 MB of C heap per new batch size (measured, flat once all 64
+        were seen). Without this the first batch of each size arrives at a random time under
+        load, as an RSS step and a slow batch; with it, memory is flat from the start."""
+        c, s = self.model.config.in_channels, self.model.config.image_size
+        t0 = time.perf_counter()
+        x = torch.zeros(max_batch, c, s, s, dtype=torch.uint8)
+        for b in range(1, max_batch + 1):
+            self.embed(x[:b])
+        return time.perf_counter() - t0
+
+
+def _best_time(module: torch.nn.Module, x: torch.Tensor, repeats: int = 5) -> float:
+    """Seconds of the fastest of `repeats` calls (after one untimed call)."""
+    module(x)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        module(x)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _rss_mb() -> float | None:
+    """This process's resident memory in MB (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None

@@ -1,0 +1,238 @@
+"""The model at serving time: the embedder on its own model thread behind the micro-batcher,
+uploads turned into model input, and the batches (one forward, then the votes)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from starlette.concurrency import run_in_threadpool
+
+from embedding.device import resolve_device
+from embedding.sysalloc import release_free_memory
+from embedding.thumbnails import make_thumbnail
+from service.config import Settings
+from service.gallery import Classification, Gallery
+from service.gallery.query import VoteQuery
+from service.model.batcher import MicroBatcher
+from service.model.embedder import Embedder, ImageError, load_image, open_image
+
+# Images up to this many pixels (per request) are decoded on the event loop: ~50 us for a
+# 28x28 PNG, against ~150 us+ for a hop to a worker thread and back under load.
+INLINE_PIXELS = 96 * 96
+# Requests decoding large images at the same time: bounds the decoded pixels in memory.
+DECODE_SLOTS = 2
+# A model slower than this per image (on one thread) gets every core; see auto_threads.
+HEAVY_MODEL_MS = 2.0
+
+
+@dataclass
+class Job:
+    kind: str  # "classify" or "embed"
+    pixels: np.ndarray  # uint8 (C, H, W), Embedder.pixels
+    query: VoteQuery | None = None  # classify: what the request asks of the vote
+
+
+@dataclass
+class Prepared:
+    pixels: np.ndarray  # uint8 (C, H, W), Embedder.pixels
+    data: bytes
+    mime: str
+    thumbnail: bytes | None = None  # when asked for (gallery adds with SNCA_THUMBNAILS)
+
+
+@dataclass
+class ModelInfo:
+    """How the model was set up at start (reported in the ready log line)."""
+
+    device: str
+    mode: str  # "optimized" or "eager: <why>"
+    torch_threads: int
+    fused_sizes: list[int]  # batch sizes served by a fused copy
+    warmup_s: float
+
+
+class ModelRuntime:
+    """One per process: the model thread runs every forward pass (and the warm-up)."""
+
+    def __init__(self, settings: Settings, embedder: Embedder, on_batch=None):
+        """Start the model thread and prepare the model there (optimise, fuse, warm up every
+        batch size); `on_batch(size, queue wait)` is called after each batch (metrics)."""
+        self.settings = settings
+        self.embedder = embedder
+        self.gallery: Gallery | None = None  # set by `serve` once the gallery is loaded
+        # requests decoding large images at once (each holds one decoded image at a time)
+        self._decode_slots = threading.BoundedSemaphore(DECODE_SLOTS)
+        self.batcher = MicroBatcher(
+            self._run_batch, settings.max_batch, settings.max_wait_ms, on_batch
+        )
+        self.info: ModelInfo = self.batcher.call(self._prepare_model)
+
+    @classmethod
+    def start(
+        cls, settings: Settings, model, space: str, on_batch=None, world: bool = False
+    ) -> ModelRuntime:
+        """`model` (an EmbeddingNet) on the settings' device, serving vectors of `space` (and
+        with `world` the world statistics beside them)."""
+        device = resolve_device(settings.device)
+        return cls(settings, Embedder(model, device, space=space, world=world), on_batch)
+
+    def _prepare_model(self) -> ModelInfo:
+        """On the model thread, which runs every forward."""
+        s, e = self.settings, self.embedder
+        torch.set_num_threads(1)
+        if s.optimize:
+            e.optimize()
+        e.warmup()
+        threads = s.torch_threads or self.auto_threads()
+        torch.set_num_threads(threads)
+        fused = e.fuse_small_batches(s.fused_batches, s.fused_memory_mb) if s.optimize else []
+        warm = e.warmup_every_size(s.max_batch)
+        return ModelInfo(str(e.device), e.mode, threads, fused, warm)
+
+    def auto_threads(self) -> int:
+        """Threads for the forward pass when SNCA_TORCH_THREADS is 0. The event loop needs
+        about half a millisecond of one core per request (HTTP, multipart, decoding). A light
+        model (conv4: ~0.2 ms per image) leaves the loop a core of its own, cores - 1; a heavy
+        one (ResNet: several ms per image) is the bottleneck, so it gets every core."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = cores or 1
+        if cores == 1 or self.embedder.device.type != "cpu":
+            return max(1, cores - 1)
+        c, size = self.embedder.model.config.in_channels, self.embedder.model.config.image_size
+        x = torch.zeros(32, c, size, size, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        self.embedder.embed(x)
+        per_image_ms = (time.perf_counter() - t0) / 32 * 1000
+        return cores if per_image_ms > HEAVY_MODEL_MS else cores - 1
+
+    def serve(self, gallery: Gallery) -> None:
+        """Classify jobs vote over `gallery` from now on."""
+        self.gallery = gallery
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    # ------------------------------------------------------------------ images
+    def prepare(self, data: bytes, name: str) -> Prepared:
+        """Decode + preprocess one upload (blocking; see `prepare_async`)."""
+        return self._finish(open_image(data, self.settings.max_image_pixels, name), data, name)
+
+    def _finish(self, img, data: bytes, name: str, thumbnail: bool = False) -> Prepared:
+        img, mime = load_image(img, name)
+        thumb = make_thumbnail(img, self.settings.thumbnail_side) if thumbnail else None
+        return Prepared(self.embedder.pixels(img), data, mime, thumb)
+
+    async def prepare_async(
+        self, datas: list[bytes], names: list[str], thumbnails: bool = False
+    ) -> list[Prepared]:
+        """Decode + preprocess uploads. Every header is read first, on the event loop (cheap,
+        bounded): the request's pixels together must be within SNCA_MAX_REQUEST_PIXELS (413
+        `too_many_pixels` before anything is decoded). Small images (at most INLINE_PIXELS in
+        all, e.g. 28x28 or 64x64) are decoded there too, because a thread hop costs more than
+        decoding them; larger ones in a thread, one at a time, each decoded image dropped
+        once it is the model's input, and at most DECODE_SLOTS requests decoding at once: a
+        request holds at most one decoded image."""
+        s = self.settings
+        imgs = [open_image(d, s.max_image_pixels, n) for d, n in zip(datas, names, strict=True)]
+        pixels = sum(i.size[0] * i.size[1] for i in imgs)
+        if pixels > s.max_request_pixels:
+            raise ImageError(
+                413,
+                f"the {len(imgs)} images have {pixels} pixels together; the limit is "
+                f"{s.max_request_pixels} per request (SNCA_MAX_REQUEST_PIXELS)",
+                "too_many_pixels",
+            )
+        if pixels <= INLINE_PIXELS:
+            t = thumbnails
+            return [self._finish(i, d, n, t) for i, d, n in zip(imgs, datas, names, strict=True)]
+        return await run_in_threadpool(self._decode_large, imgs, datas, names, thumbnails)
+
+    def _decode_large(self, imgs: list, datas, names, thumbnails: bool) -> list[Prepared]:
+        out = []
+        with self._decode_slots:
+            try:
+                for i in range(len(imgs)):
+                    out.append(self._finish(imgs[i], datas[i], names[i], thumbnails))
+                    imgs[i].close()
+                    imgs[i] = None  # its decoded pixels go now, not with the whole request
+            finally:
+                for img in imgs:
+                    if img is not None:
+                        img.close()
+                release_free_memory()  # back to the OS, not kept for the next request
+        return out
+
+    def embed_stored(self, images: list[bytes]):
+        """Embed stored images (a migration re-embedding the gallery), blocking: (vectors
+        (n_ok, d) float32, world statistics (n_ok, D) or None) for those that decode, and per
+        image None or why it could not be read."""
+        pixels, errors = [], []
+        for i, data in enumerate(images):
+            try:
+                pixels.append(self.prepare(data, f"item {i}").pixels)
+                errors.append(None)
+            except ImageError as e:
+                errors.append(e.message)
+        emb, stats = self.embedder.split(self.embed_pixels(pixels))
+        return emb, stats, errors
+
+    def embed_pixels(self, pixels: list[np.ndarray]) -> np.ndarray:
+        """Prepared pixels (Prepared.pixels) -> (n, d [+ D]) float32 rows (Embedder.split
+        takes them apart), blocking, through the model thread max_batch at a time."""
+        out = []
+        step = self.settings.max_batch
+        for s in range(0, len(pixels), step):
+            chunk = pixels[s : s + step]
+            out.append(
+                self.batcher.call(
+                    lambda c=chunk: (
+                        self.embedder.forward(self.embedder.stack_pixels(c)).numpy().copy()
+                    )
+                )
+            )
+        d = self.embedder.dim + self.embedder.world_dim
+        return np.concatenate(out) if out else np.zeros((0, d), np.float32)
+
+    # ------------------------------------------------------------------ batches
+    def _run_batch(self, jobs: list[Job]) -> list:
+        """In the model thread: one forward for the whole batch, then classification of the
+        classify jobs grouped by their parameters (one matmul / search per group)."""
+        # Under load every call that releases the GIL waits for the event loop to give it
+        # back, so the common batch (classify jobs with the same parameters) makes three such
+        # calls: the queue's wake-up, the forward pass and the vote (docs/PERFORMANCE.md).
+        rows = self.embedder.forward(self.embedder.stack_pixels([j.pixels for j in jobs]))
+        emb, stats = self.embedder.split(rows)  # (B, d), (B, D) or None
+        out: list = [None] * len(jobs)
+        groups: dict[tuple, list[int]] = {}
+        embeds: list[int] = []
+        for i, j in enumerate(jobs):
+            if j.kind == "classify":
+                groups.setdefault(j.query, []).append(i)
+            else:
+                embeds.append(i)
+        if embeds:  # gallery adds: numpy rows [vector | statistics]
+            full = rows.numpy()
+            for i in embeds:
+                out[i] = full[i].copy()  # its own memory, not a view holding the batch
+        if groups and self.gallery is None:
+            raise RuntimeError("the gallery is not loaded yet")
+        for query, idx in groups.items():
+            whole = len(idx) == len(jobs)
+            q = emb if whole else emb[idx]
+            s = None if stats is None else stats if whole else stats[idx]
+            res = self.gallery.answer(q, query, s)
+            for i, r in zip(idx, res, strict=True):
+                out[i] = r
+        return out
+
+    async def classify(self, p: Prepared, query: VoteQuery) -> Classification:
+        return await self.batcher.submit(Job("classify", p.pixels, query))
+
+    async def embed(self, p: Prepared) -> np.ndarray:
+        """The upload's row [vector | world statistics] (Embedder.split takes it apart)."""
+        return await self.batcher.submit(Job("embed", p.pixels))

@@ -1,0 +1,281 @@
+"""The one interface every gallery store backend implements (service/store/sqlite.py,
+service/store/postgres.py; tests/service/test_store_contract.py runs the same cases against
+both), and the parts they share: the writes, decoding rows into records, the point-in-time
+reader."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from embedding.gallery import utc_now
+from service.store import sql
+from service.store.records import (
+    ChangeSet,
+    Item,
+    ItemRow,
+    NothingChanged,
+    StoredItem,
+    new_items,
+    vec,
+)
+
+
+class Store(ABC):
+    """A gallery store: the system of record of the gallery's items and its ordered change
+    log. Every write is one transaction with the next gap-free seq and a log row; an
+    acknowledged write is durable. Errors: StoreUnavailable (cannot be read or written now:
+    503), StoreCarriedAway (sealed by a migration). A backend implements the abstract methods
+    (its connection, locking and the statements only its database can say); the writes every
+    backend makes the same way are written here once."""
+
+    default_poll_s: ClassVar[float]  # how often a follower polls the head without a wake-up
+    url: str  # where it is, safe to show (no secret)
+    dim: int  # embedding dimension
+    read_only: str | None  # why writes are refused now (None: writable)
+
+    @classmethod
+    @abstractmethod
+    def claims(cls, target: str | Path) -> bool:
+        """Whether `target` (SNCA_STORE) names a store of this backend."""
+
+    # ------------------------------------------------------------------ reads
+    @abstractmethod
+    def _select(self, query: str, params: tuple | list = ()) -> list[tuple]:
+        """A read on the store's own connection (its lock held): the rows; StoreUnavailable
+        when the store cannot be read, StoreCarriedAway once it was carried away."""
+
+    def meta(self) -> dict[str, str]:
+        return dict(self._select(sql.META))
+
+    def last_seq(self) -> int:
+        return int(self.meta()["last_seq"])
+
+    def log_token(self, seq: int) -> str | None:
+        """The token of write `seq` (None: no such log row, or written before tokens)."""
+        rows = self._select(self.dialect.q(sql.LOG_TOKEN), (int(seq),))
+        return rows[0][0] if rows else None
+
+    def live_items(self, after_seq: int = -1, upto: int | None = None) -> list[Item]:
+        """Live items added by a write after `after_seq` (-1: all) and not after `upto`, in id
+        order."""
+        upto = upto if upto is not None else 2**62
+        return live_items(self._select(self.dialect.q(sql.LIVE_ITEMS), (after_seq, upto)))
+
+    def deleted_after(self, seq: int) -> list[tuple[int, str, np.ndarray, int]]:
+        """(id, label, embedding, add_seq) of items deleted by a write after `seq`."""
+        rows = self._select(self.dialect.q(sql.DELETED_AFTER), (seq,))
+        return [(r[0], r[1], vec(r[2]), r[3]) for r in rows]
+
+    def _rows_of_ids(self, template: str, ids: list[int]) -> list[tuple]:
+        """`template` (an {ids} query of sql.py) over `ids`, in chunks."""
+        out = []
+        for s in range(0, len(ids), sql.CHUNK):
+            chunk = [int(i) for i in ids[s : s + sql.CHUNK]]
+            out += self._select(sql.ids_in(self.dialect, template, chunk), chunk)
+        return out
+
+    def items(self, ids: list[int]) -> dict[int, tuple[str, str, dict | None, bool]]:
+        """id -> (label, source, metadata, has a thumbnail) for the live items among `ids`."""
+        return items_by_id(self._rows_of_ids(sql.ITEMS_OF_IDS, ids))
+
+    def item_rows(
+        self, after_id: int, limit: int, label: str | None = None, item_id: int | None = None
+    ) -> list[ItemRow]:
+        """Live items with id > `after_id` in id order, at most `limit` (of `label`, or the one
+        `item_id`): a page of GET /gallery/items. Ids only grow, so a cursor of the last id
+        is stable under concurrent writes (new items come at the end)."""
+        params = [int(after_id), *([label] if label is not None else [])]
+        params += [int(item_id)] if item_id is not None else []
+        q = sql.item_rows_query(self.dialect, label, item_id)
+        return item_rows(self._select(q, (*params, limit)))
+
+    def with_thumbnails(self, ids: list[int]) -> set[int]:
+        """The live items among `ids` (at most a few hundred) that have a thumbnail."""
+        return {r[0] for r in self._rows_of_ids(sql.THUMBNAILS_OF_IDS, ids[:500])}
+
+    def thumbnail(self, item_id: int) -> bytes | None:
+        """The thumbnail of a live item, or None (no such item, deleted, or none kept)."""
+        rows = self._select(self.dialect.q(sql.THUMBNAIL), (int(item_id),))
+        return None if not rows or rows[0][0] is None else bytes(rows[0][0])
+
+    def added_items(self, after_id: int, limit: int) -> list[StoredItem]:
+        """Live items added through the service with id > `after_id`, in id order, every
+        column (a migration or an export reads the store this way, `limit` at a time)."""
+        return stored_items(self._select(self.dialect.q(sql.ADDED_ITEMS), (after_id, limit)))
+
+    @abstractmethod
+    def reader(self) -> StoreReader:
+        """A point-in-time view of the store on a connection of its own (an export reads every
+        page from it: writes committed meanwhile are not in it)."""
+
+    # ------------------------------------------------------------------ the log (followers)
+    @abstractmethod
+    def head(self) -> int:
+        """The last committed write (what a follower polls)."""
+
+    @abstractmethod
+    def wait_head(self, after: int, timeout: float) -> int:
+        """The head once it is past `after`, or after `timeout` seconds."""
+
+    @abstractmethod
+    def changes_after(self, after: int) -> ChangeSet:
+        """Every write after `after`, in seq order, read in one transaction."""
+
+    @abstractmethod
+    def log_gaps(self) -> tuple[int, int, list[int]]:
+        """(floor, last_seq, the seqs in (floor, last_seq] that have no log row)."""
+
+    @abstractmethod
+    def compact(self, upto: int) -> int:
+        """Forget history up to write `upto`: the rows of added items deleted by then and the
+        log rows before it go (the row of `upto` stays: its token names the history a snapshot
+        at the floor belongs to), the log's floor moves to `upto` (a replica behind it rebuilds
+        from the store). Trained items' rows stay. Returns the item rows removed."""
+
+    # ------------------------------------------------------------------ writes
+    @abstractmethod
+    def unwritable(self) -> str | None:
+        """Why the store cannot be written now, if that is known without trying (None)."""
+
+    @abstractmethod
+    def transaction(
+        self, fn: Callable[[Any, int], Any], op: str = "migrate", count=lambda result: 0
+    ) -> tuple[int, Any]:
+        """Run fn(conn, seq) in one transaction with the next sequence number and its log row
+        (`op`, count(result) items, a new token); return (seq, fn's result). fn raising
+        NothingChanged(result) rolls back: (0, result)."""
+
+    @abstractmethod
+    def _next_ids(self, conn, n: int) -> list[int]:
+        """Inside a write: the next `n` item ids (meta 'next_id' moves past them)."""
+
+    @abstractmethod
+    def _mark_deleted(
+        self, conn, seq: int, ids: list[int] | None, label: str | None
+    ) -> list[tuple[int, str, np.ndarray, str]]:
+        """Inside a write: mark the live items among `ids` (or of `label`) deleted by `seq`;
+        (id, label, embedding, source) of each, in id order."""
+
+    def add(
+        self,
+        label: str,
+        embeddings: np.ndarray,
+        metadata: list[dict | None],
+        images: list[tuple[bytes, str] | None],
+        thumbnails: list[bytes | None] | None = None,
+        worlds: np.ndarray | None = None,
+    ) -> tuple[int, list[int]]:
+        """Insert len(embeddings) items of `label` (with their world statistics (n, D) when
+        given); return (seq, ids)."""
+        now = utc_now()
+
+        def fn(conn, seq):
+            ids = self._next_ids(conn, len(embeddings))
+            rows = new_items(ids, label, embeddings, metadata, images, thumbnails, now, worlds)
+            insert_items(conn, self.dialect, rows, seq)
+            return ids
+
+        return self.transaction(fn, "add", len)
+
+    def delete(
+        self, ids: list[int] | None = None, label: str | None = None
+    ) -> tuple[int, list[tuple[int, str, np.ndarray, str]]]:
+        """Mark deleted the live items among `ids`, or every live item of `label`, as the store
+        has them now (not as a lagging replica remembers them); return (seq, [(id, label,
+        embedding, source)]), (0, []) when none was live (nothing written)."""
+
+        def fn(conn, seq):
+            rows = self._mark_deleted(conn, seq, ids, label)
+            if not rows:
+                raise NothingChanged([])
+            return rows
+
+        return self.transaction(fn, "delete", len)
+
+    # ------------------------------------------------------------------ lifetime
+    @abstractmethod
+    def retire(self, why: str) -> None:
+        """Let go of the store for good (it was carried to another model); later calls raise
+        StoreCarriedAway(why)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    dialect: ClassVar[sql.Dialect]
+
+
+def insert_items(conn, dialect: sql.Dialect, items: list[StoredItem], seq: int) -> None:
+    """Insert `items` as added by write `seq` (inside a transaction)."""
+    conn.cursor().executemany(
+        dialect.q(sql.INSERT_ITEM), [(*dataclasses.astuple(it), seq) for it in items]
+    )
+
+
+# ------------------------------------------------------------------------ rows into records
+def item_rows(rows) -> list[ItemRow]:
+    return [
+        ItemRow(r[0], r[1], r[2], json.loads(r[3]) if r[3] else None, r[4], bool(r[5]))
+        for r in rows
+    ]
+
+
+def items_by_id(rows) -> dict[int, tuple[str, str, dict | None, bool]]:
+    return {r[0]: (r[1], r[2], json.loads(r[3]) if r[3] else None, bool(r[4])) for r in rows}
+
+
+def live_items(rows) -> list[Item]:
+    """LIVE_ITEMS rows as Items."""
+    return [
+        Item(r[0], r[1], r[2], None, vec(r[3]), r[4], None if r[5] is None else vec(r[5]))
+        for r in rows
+    ]
+
+
+def stored_items(rows) -> list[StoredItem]:
+    return [StoredItem(*[bytes(v) if isinstance(v, memoryview) else v for v in r]) for r in rows]
+
+
+def gaps(meta: dict[str, str], have: set[int]) -> tuple[int, int, list[int]]:
+    """(floor, last_seq, the seqs in (floor, last_seq] without a log row)."""
+    floor, last = int(meta.get("log_floor", 0)), int(meta["last_seq"])
+    return floor, last, [s for s in range(floor + 1, last + 1) if s not in have]
+
+
+class StoreReader:
+    """Pages of a store read inside one transaction (Store.reader): every page sees the store
+    as it was when the reader opened."""
+
+    def __init__(self, conn, dialect: sql.Dialect, close=None):
+        self.conn = conn
+        self.d = dialect
+        self._close = close or conn.close
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.execute("ROLLBACK")
+        self._close()
+
+    def last_seq(self) -> int:
+        return int(self.conn.execute(sql.LAST_SEQ).fetchone()[0])
+
+    def added_items(self, after_id: int, limit: int) -> list[StoredItem]:
+        rows = self.conn.execute(self.d.q(sql.ADDED_ITEMS), (after_id, limit)).fetchall()
+        return stored_items(rows)
+
+    def item_rows(self, after_id: int, limit: int) -> list[ItemRow]:
+        q = sql.item_rows_query(self.d, None, None)
+        return item_rows(self.conn.execute(q, (after_id, limit)).fetchall())

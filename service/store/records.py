@@ -1,0 +1,161 @@
+"""What a gallery store holds and hands out, the same for every backend (service/store/base.py's
+Store): the records, the errors, and the byte layout of vectors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be written (disk full, read-only, I/O error): answer 503, keep serving."""
+
+
+class StoreCarriedAway(StoreUnavailable):
+    """The store was carried to another model (service/store/migration.py sealed it): this process
+    serves a model whose gallery lives elsewhere now and must be restarted with the new one."""
+
+
+# meta key set on a store that a migration carried to a new model, in the same transaction as
+# its last write: every later write on it is refused (JSON: fingerprint, index_id, at)
+CARRIED_TO = "carried_to"
+
+
+def carried_away_message(value: str) -> str:
+    try:
+        to = json.loads(value)
+        what = f"model {to.get('model_fingerprint', '?')[:19]}... (index {to.get('index_id')})"
+    except (ValueError, AttributeError):
+        what = "another model"
+    return (
+        f"the gallery was carried to {what} by another process; this process serves the model "
+        "it had before and can no longer write it: restart it with the new model"
+    )
+
+
+class NothingChanged(Exception):
+    """Raised inside a write transaction that turned out to change nothing: rolled back, no
+    seq taken (a delete of ids that are not live)."""
+
+
+@dataclass
+class Item:
+    id: int
+    label: str
+    source: str
+    metadata: dict | None
+    embedding: np.ndarray  # (d,) float32
+    add_seq: int = 0
+    world: np.ndarray | None = None  # (D,) float32 world statistics (added items; else None)
+
+
+@dataclass
+class StoredItem:
+    """An item as stored, every column (what a migration carries to a new store)."""
+
+    id: int
+    label: str
+    source: str
+    metadata: str | None  # JSON text, as stored
+    created_at: str
+    embedding: bytes  # float32 x dim, little-endian
+    image: bytes | None
+    image_type: str | None
+    thumbnail: bytes | None
+    world: bytes | None = None  # float32 x D, little-endian (embedding/world.py), added items
+
+
+@dataclass
+class ItemRow:
+    """What GET /gallery/items tells of an item."""
+
+    id: int
+    label: str
+    source: str
+    metadata: dict | None
+    created_at: str
+    has_thumbnail: bool
+
+
+@dataclass
+class Change:
+    """One write of the log, as a follower applies it: an add (ids, label, embeddings) or a
+    delete (rows: id, label, embedding, source)."""
+
+    seq: int
+    op: str  # add | delete
+    ids: list[int]
+    label: str | None = None
+    embeddings: np.ndarray | None = None  # (n, d) float32, adds
+    rows: list[tuple[int, str, np.ndarray, str]] | None = None  # deletes
+    worlds: list[np.ndarray | None] | None = None  # adds: each item's world statistics
+
+
+@dataclass
+class ChangeSet:
+    """The writes after a version, read in one transaction: `last_seq` the store's version then,
+    `floor` the log's floor (a follower below it cannot be brought up to date from the log),
+    `carried_to` set when the store was carried to another model (CARRIED_TO)."""
+
+    last_seq: int
+    floor: int
+    changes: list[Change]
+    carried_to: str | None = None
+
+
+def changes_from_rows(rows, after: int) -> list[Change]:
+    """Changes in seq order from (id, label, source, embedding, add_seq, deleted_seq, world)
+    rows of the items added or deleted by a write after `after`."""
+    adds: dict[int, Change] = {}
+    dels: dict[int, Change] = {}
+    for item_id, label, source, emb, add_seq, deleted_seq, world in rows:
+        v = vec(emb)
+        if add_seq > after:
+            c = adds.setdefault(add_seq, Change(add_seq, "add", [], label, None, worlds=[]))
+            c.ids.append(item_id)
+            c.rows = (c.rows or []) + [(item_id, label, v, source)]
+            c.worlds.append(None if world is None else vec(world))
+        if deleted_seq is not None and deleted_seq > after:
+            c = dels.setdefault(deleted_seq, Change(deleted_seq, "delete", [], rows=[]))
+            c.ids.append(item_id)
+            c.rows.append((item_id, label, v, source))
+    out = []
+    for c in adds.values():
+        c.embeddings = np.stack([r[2] for r in c.rows]).astype(np.float32)
+        c.rows = None
+        out.append(c)
+    return sorted([*out, *dels.values()], key=lambda c: (c.seq, c.op != "add"))
+
+
+def blob(v: np.ndarray) -> bytes:
+    """A vector as stored: float32, little-endian."""
+    return np.ascontiguousarray(v, dtype="<f4").tobytes()
+
+
+def vec(b: bytes | memoryview) -> np.ndarray:
+    return np.frombuffer(bytes(b) if isinstance(b, memoryview) else b, dtype="<f4")
+
+
+def new_items(
+    ids, label, embeddings, metadata, images, thumbnails, now, worlds=None
+) -> list[StoredItem]:
+    """The rows of an add through the service (both backends store the same columns)."""
+    thumbs = thumbnails if thumbnails is not None else [None] * len(embeddings)
+    ws = [None] * len(embeddings) if worlds is None else [blob(w) for w in worlds]
+    return [
+        StoredItem(
+            i,
+            label,
+            "added",
+            None if md is None else json.dumps(md, sort_keys=True),
+            now,
+            blob(e),
+            None if img is None else img[0],
+            None if img is None else img[1],
+            th,
+            w,
+        )
+        for i, e, md, img, th, w in zip(ids, embeddings, metadata, images, thumbs, ws, strict=True)
+    ]

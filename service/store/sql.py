@@ -1,0 +1,90 @@
+"""Every statement the store backends share, written once: `{p}` stands for the driver's
+placeholder, which a Dialect fills in (`?` for sqlite3, `%s` for psycopg). What only one backend
+can say (SQLite's PRAGMAs, PostgreSQL's FOR UPDATE, LISTEN/NOTIFY, COPY) stays in its module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from embedding.gallery import ITEM_COLUMNS
+
+COLUMNS = ", ".join(ITEM_COLUMNS)
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str  # a key of embedding.gallery.SQL_TYPES
+    param: str  # the driver's placeholder
+
+    def q(self, template: str) -> str:
+        """`template` with its {p} placeholders in this dialect."""
+        return template.format(p=self.param)
+
+
+SQLITE = Dialect("sqlite", "?")
+POSTGRES = Dialect("postgresql", "%s")
+
+# ---------------------------------------------------------------------------------- meta, log
+META = "SELECT key, value FROM meta"
+META_KEY = "SELECT value FROM meta WHERE key = {p}"
+LAST_SEQ = "SELECT value FROM meta WHERE key = 'last_seq'"
+SET_META = "UPDATE meta SET value = {p} WHERE key = {p}"
+LOG_TOKEN = "SELECT token FROM log WHERE seq = {p}"
+LOG_SEQS = "SELECT seq FROM log"
+INSERT_LOG = "INSERT INTO log (seq, op, items, at, token) VALUES ({p}, {p}, {p}, {p}, {p})"
+# the writes after a version, as (id, label, source, embedding, add_seq, deleted_seq, world)
+CHANGES = (
+    "SELECT id, label, source, embedding, add_seq, deleted_seq, world FROM items "
+    "WHERE add_seq > {p} UNION ALL "
+    "SELECT id, label, source, embedding, add_seq, deleted_seq, NULL FROM items "
+    "WHERE deleted_seq > {p} AND add_seq <= {p} ORDER BY id"
+)
+# compaction: added items deleted by `upto`, and the log rows before it
+COMPACT_ITEMS = "DELETE FROM items WHERE source = 'added' AND deleted_seq <= {p}"
+COMPACT_LOG = "DELETE FROM log WHERE seq < {p}"
+
+# ---------------------------------------------------------------------------------- items
+LIVE_ITEMS = (
+    "SELECT id, label, source, embedding, add_seq, world FROM items "
+    "WHERE deleted_seq IS NULL AND add_seq > {p} AND add_seq <= {p} ORDER BY id"
+)
+DELETED_AFTER = "SELECT id, label, embedding, add_seq FROM items WHERE deleted_seq > {p}"
+ITEMS_OF_IDS = (
+    "SELECT id, label, source, metadata, thumbnail IS NOT NULL FROM items "
+    "WHERE deleted_seq IS NULL AND id IN ({ids})"
+)
+THUMBNAILS_OF_IDS = (
+    "SELECT id FROM items WHERE deleted_seq IS NULL AND thumbnail IS NOT NULL AND id IN ({ids})"
+)
+ITEM_ROWS = (
+    "SELECT id, label, source, metadata, created_at, thumbnail IS NOT NULL FROM items "
+    "WHERE deleted_seq IS NULL AND id > {p}"
+)
+ADDED_ITEMS = (
+    f"SELECT {COLUMNS} FROM items WHERE source = 'added' AND deleted_seq IS NULL "
+    "AND id > {p} ORDER BY id LIMIT {p}"
+)
+THUMBNAIL = "SELECT thumbnail FROM items WHERE id = {p} AND deleted_seq IS NULL"
+INSERT_ITEM = f"INSERT INTO items ({COLUMNS}, add_seq) VALUES (" + ", ".join(["{p}"] * 11) + ")"
+LIVE_OF_LABEL = "SELECT id FROM items WHERE label = {p} AND deleted_seq IS NULL"
+LIVE_OF_IDS = (
+    "SELECT id, label, embedding, source FROM items WHERE deleted_seq IS NULL AND id IN ({ids})"
+)
+MARK_DELETED = "UPDATE items SET deleted_seq = {p} WHERE id = {p}"
+
+CHUNK = 500  # ids per IN (...) list: SQLite caps the number of bound parameters
+
+
+def ids_in(dialect: Dialect, template: str, ids: list[int]) -> str:
+    """`template` with its {ids} list of len(ids) placeholders."""
+    return dialect.q(template.replace("{ids}", ", ".join(["{p}"] * len(ids))))
+
+
+def item_rows_query(dialect: Dialect, label: str | None, item_id: int | None) -> str:
+    """A page of GET /gallery/items: ITEM_ROWS, narrowed to a label or an id, in id order."""
+    sql = ITEM_ROWS
+    if label is not None:
+        sql += " AND label = {p}"
+    if item_id is not None:
+        sql += " AND id = {p}"
+    return dialect.q(sql + " ORDER BY id LIMIT {p}")

@@ -1,0 +1,500 @@
+"""snca-gallery: bulk registration into a service's gallery, and export out of it.
+
+    snca-gallery import photos/ --model runs/demo          # photos/<label>/<images>
+    snca-gallery import list.csv --model runs/demo         # rows: path,label (a header is fine)
+    snca-gallery export out/ --model runs/demo             # out/items.jsonl + out/images/...
+
+Same flags and SNCA_ settings as snca-serve (--model, --index, --data-dir, --store, --device,
+--thumbnails), so it finds the very gallery the service serves. An import embeds the images
+with the service's model and preprocessing, in batches with a progress bar, and writes each
+batch through the service's durable write path (one store transaction per label and batch,
+appended to the change log): a server running on the same store sees the items as they
+commit. Reruns are resumable: an image already imported under the same label (same bytes,
+recorded as metadata {"import": {"path", "sha256"}}) is skipped. Unreadable, oversized
+(> SNCA_MAX_UPLOAD_BYTES) or non-regular files, bad CSV rows, CSV paths outside the CSV's
+folder (absolute or with `..`, unless --allow-outside) and invalid labels are listed, skipped,
+and make the exit status 1; nothing imported is lost.
+
+An export is a point-in-time copy (one read transaction of the store: writes committed while
+it runs are not in it): every live item to OUT/items.jsonl (id, label, source, metadata,
+created_at, and for added items the stored image's path under OUT/images/<label>/) in id
+order, OUT/labels.json (label -> folder; a label that is no safe folder name, or longer than
+100 bytes, gets a number) and OUT/export.json (the gallery_version it shows, counts). Every
+file and folder is created new inside OUT (no symbolic link is followed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import hashlib
+import json
+import os
+import stat
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from embedding.cliutil import positive_int
+from embedding.errors import SNCAError
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+EXT = {"image/png": "png", "image/jpeg": "jpg", "image/webp": "webp", "image/gif": "gif"}
+
+
+@dataclass
+class Entry:
+    path: Path
+    key: str  # as recorded: the path relative to the source
+    label: str
+
+
+def _shared_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, help="training run dir (default SNCA_MODEL or runs/demo)")
+    p.add_argument("--index", type=Path, help="index dir (default MODEL/index)")
+    p.add_argument(
+        "--store",
+        help="the gallery store: a SQLite file (default DATA_DIR/gallery.sqlite) or "
+        "postgresql://USER[:PASSWORD]@HOST:PORT/DB",
+    )
+    p.add_argument("--data-dir", type=Path, help="the gallery's data dir (default data/<model>)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="snca-gallery",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    imp = sub.add_parser(
+        "import",
+        help="register a folder (SRC/<label>/<images>) or a CSV of path,label",
+        argument_default=argparse.SUPPRESS,
+    )
+    imp.add_argument("source", type=Path, help="a folder of label folders, or a .csv file")
+    _shared_flags(imp)
+    imp.add_argument(
+        "--thumbnails", action="store_true", help="keep a thumbnail of each image (the web page)"
+    )
+    imp.add_argument(
+        "--allow-outside",
+        action="store_true",
+        help="import CSV rows whose path is absolute or climbs out of the CSV's folder (..)",
+    )
+    imp.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=256,
+        help="images per store transaction (default 256)",
+    )
+    exp = sub.add_parser(
+        "export", help="write every item and stored image out", argument_default=argparse.SUPPRESS
+    )
+    exp.add_argument("out", type=Path, help="a new or empty folder")
+    _shared_flags(exp)
+    for x in (imp, exp):
+        x.add_argument(
+            "--progress",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="a progress line (also when the output is not a terminal)",
+        )
+    return p
+
+
+# ---------------------------------------------------------------------------- sources
+def read_entries(
+    source: Path, allow_outside: bool = False, bad: list[str] | None = None
+) -> list[Entry]:
+    """ImageFolder (SRC/<label>/<image files>) or a CSV of path,label (paths relative to the
+    CSV's folder; a first row "path,label" is a header; a UTF-8 BOM is fine). A CSV row that
+    cannot be used is described in `bad` and skipped (with bad None: an error)."""
+    if source.is_dir():
+        out = []
+        for d in sorted(p for p in source.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            for f in sorted(d.iterdir()):
+                if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES:
+                    out.append(Entry(f, f.relative_to(source).as_posix(), d.name))
+        if not out:
+            raise SNCAError(
+                f"{source} has no images in label folders ({source}/<label>/<image files>, "
+                f"suffixes {', '.join(sorted(IMAGE_SUFFIXES))})"
+            )
+        return out
+    if source.is_file() and source.suffix.lower() == ".csv":
+        out = []
+
+        def skip(n: int, why: str) -> None:
+            if bad is None:
+                raise SNCAError(f"{source}, line {n}: {why}")
+            bad.append(f"{source.name}, line {n}: {why}")
+
+        with open(source, newline="", encoding="utf-8-sig") as f:
+            rows = csv.reader(f)
+            n = 0
+            while True:
+                try:
+                    row = next(rows)
+                except StopIteration:
+                    break
+                except csv.Error as e:  # (a field over the csv module's limit, say)
+                    skip(rows.line_num, str(e))
+                    continue
+                n += 1
+                if not row or (
+                    n == 1 and [c.strip().lower() for c in row[:2]] == ["path", "label"]
+                ):
+                    continue
+                if len(row) < 2 or not row[0].strip():
+                    skip(rows.line_num, f"expected path,label; got {str(row)[:200]}")
+                    continue
+                path = Path(row[0].strip())
+                if not allow_outside and (path.is_absolute() or ".." in path.parts):
+                    skip(
+                        rows.line_num,
+                        f"{row[0][:200]!r} is outside the CSV's folder (--allow-outside "
+                        "imports it)",
+                    )
+                    continue
+                full = path if path.is_absolute() else source.parent / path
+                out.append(Entry(full, path.as_posix(), row[1]))
+        if not out and not bad:
+            raise SNCAError(f"{source} lists no images (rows of path,label)")
+        return out
+    raise SNCAError(f"{source} is neither a folder of label folders nor a .csv file")
+
+
+def read_image_file(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (OSError otherwise): the size is
+    checked before reading, and no more than limit + 1 bytes are ever read (a file that grows,
+    or a sparse one, cannot make this take more memory)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO would block an open)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"not a regular file: {path}")
+        if st.st_size > limit:
+            raise OSError(f"{st.st_size} bytes; the limit is {limit} (SNCA_MAX_UPLOAD_BYTES)")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise OSError(f"over {limit} bytes (SNCA_MAX_UPLOAD_BYTES)")
+    return data
+
+
+# ---------------------------------------------------------------------------- the service
+def open_state(args: dict, **overrides):
+    """The ServiceState a server on these settings would have (model, gallery, store)."""
+    from pydantic import ValidationError
+
+    from service.config import Settings
+    from service.startup import ServiceHost
+
+    given = {k.replace("-", "_"): v for k, v in args.items() if k in SETTINGS}
+    try:
+        settings = Settings(**given, **overrides)
+    except ValidationError as e:
+        msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise SNCAError(msgs) from None
+    host = ServiceHost(settings)
+    opening = host.open()
+    if opening.plan is not None:
+        host.stop()
+        raise SNCAError(
+            f"the gallery in {opening.data.path} was made with another model or index: start "
+            "snca-serve with this model once to carry it over, then run this again"
+        )
+    host.finish()
+    return host
+
+
+SETTINGS = ("model", "index", "store", "data_dir", "device", "log_level", "thumbnails")
+
+
+def import_images(args: dict, log=print) -> int:
+    from embedding.progress import Progress
+    from service.http.inputs import check_label
+    from service.http.problems import Problem
+    from service.model.embedder import ImageError, open_image
+    from service.store import StoreUnavailable
+
+    failed: list[str] = []
+    entries = read_entries(args["source"], args.get("allow_outside", False), failed)
+    host = open_state(args, snapshot_every=0)
+    state = host.state
+    s = state.settings
+    added = skipped = 0
+    try:
+        todo = []
+        for e in entries:
+            try:
+                todo.append(Entry(e.path, e.key, check_label(e.label, s.max_label_length)))
+            except Problem as p:
+                failed.append(f"{e.key}: label {e.label!r}: {p.detail}")
+        done = imported_keys(state.store)
+        log(
+            f"snca-gallery: {len(entries)} images in {args['source']}; the gallery has "
+            f"{state.gallery.size()} items, {len(done)} of them imported before",
+            flush=True,
+        )
+        batch = args.get("batch_size", 256)
+        with Progress(len(todo), "importing", "img", enabled=args.get("progress", True)) as bar:
+            for start in range(0, len(todo), batch):
+                chunk = todo[start : start + batch]
+                ready = []  # (entry, Prepared, metadata)
+                for e in chunk:
+                    try:
+                        data = read_image_file(e.path, s.max_upload_bytes)
+                    except OSError as err:
+                        failed.append(f"{e.key}: {err.strerror or err}")
+                        continue
+                    digest = hashlib.sha256(data).hexdigest()
+                    if (e.label, digest) in done:
+                        skipped += 1
+                        continue
+                    try:  # the service's decoding, limits and preprocessing
+                        img = open_image(data, s.max_image_pixels, e.key)
+                        p = state.runtime._finish(img, data, e.key, s.thumbnails)
+                    except ImageError as err:
+                        failed.append(f"{e.key}: {err.message}")
+                        continue
+                    ready.append((e, p, {"import": {"path": e.key, "sha256": digest}}))
+                    done.add((e.label, digest))  # the same bytes twice in one run: once
+                try:
+                    added += _write(state, ready)
+                except StoreUnavailable as err:
+                    raise SNCAError(
+                        f"the gallery store refused the write ({err}); {added} images were "
+                        "imported before it: run this again to import the rest"
+                    ) from None
+                bar.update(len(chunk))
+        log(
+            f"snca-gallery: imported {added}, skipped {skipped} already in, {len(failed)} "
+            f"failed; the gallery has {state.gallery.size()} items at version "
+            f"{state.gallery.version}",
+            flush=True,
+        )
+    finally:
+        host.stop()
+    for f in failed[:50]:
+        print(f"snca-gallery: skipped {f}", file=sys.stderr)
+    if len(failed) > 50:
+        print(f"snca-gallery: ... and {len(failed) - 50} more", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _write(state, ready: list) -> int:
+    """Embed a batch and write it as /gallery/add does: one store transaction per label."""
+    if not ready:
+        return 0
+    s = state.settings
+    emb, stats = state.runtime.embedder.split(
+        state.runtime.embed_pixels([p.pixels for _, p, _ in ready])
+    )  # (n, d), (n, D) or None
+    by_label: dict[str, list[int]] = {}
+    for i, (e, _, _) in enumerate(ready):
+        by_label.setdefault(e.label, []).append(i)
+    for label, rows in by_label.items():
+        ps = [ready[i][1] for i in rows]
+        stored = [
+            (p.data, p.mime) if s.store_images and len(p.data) <= s.max_stored_image_bytes else None
+            for p in ps
+        ]
+        state.add(
+            label,
+            emb[rows],
+            [ready[i][2] for i in rows],
+            stored,
+            [p.thumbnail for p in ps],
+            None if stats is None else stats[rows],
+        )
+    return len(ready)
+
+
+def imported_keys(store) -> set[tuple[str, str]]:
+    """(label, sha256) of every live item an import added (its metadata says so)."""
+    keys, after = set(), -1
+    while True:
+        page = store.added_items(after, 2000)
+        if not page:
+            return keys
+        for it in page:
+            md = json.loads(it.metadata) if it.metadata else None
+            imp = md.get("import") if isinstance(md, dict) else None
+            if isinstance(imp, dict) and isinstance(imp.get("sha256"), str):
+                keys.add((it.label, imp["sha256"]))
+        after = page[-1].id
+
+
+def export_items(args: dict, log=print) -> int:
+    from embedding.progress import Progress
+
+    out: Path = args["out"]
+    # The folder is opened once and everything is created inside it through that handle, new
+    # (O_EXCL) and never through a symbolic link (O_NOFOLLOW): a link planted in OUT while
+    # the model loads cannot send a file elsewhere.
+    root = _open_export_dir(out)
+    try:
+        host = open_state(args, snapshot_every=0)
+        try:
+            with host.state.store.reader() as view:  # one point in time
+                n, n_images, version = _export(view, root, host.state, args, Progress)
+        finally:
+            host.stop()
+    finally:
+        os.close(root)
+    log(
+        f"snca-gallery: exported {n} items ({n_images} images) at gallery_version {version} "
+        f"to {out}",
+        flush=True,
+    )
+    return 0
+
+
+def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
+    version = view.last_seq()
+    label_dirs: dict[str, str] = {}
+    dir_fds: dict[str, int] = {}
+    taken: set[str] = set()
+    images, after = {}, -1
+    images_dir = _mkdir(root, "images")
+    try:
+        while True:  # the stored images of added items, by id
+            page = view.added_items(after, 500)
+            if not page:
+                break
+            for it in page:
+                if it.image is not None:
+                    sub = label_dirs.setdefault(it.label, _folder(it.label, taken))
+                    if sub not in dir_fds:
+                        dir_fds[sub] = _mkdir(images_dir, sub)
+                    name = f"{it.id}.{EXT.get(it.image_type or '', 'bin')}"
+                    _write_new(dir_fds[sub], name, it.image)
+                    images[it.id] = f"images/{sub}/{name}"
+            after = page[-1].id
+    finally:
+        for fd in (*dir_fds.values(), images_dir):
+            os.close(fd)
+    n = 0
+    total = state.gallery.size()
+    with Progress(total, "exporting", "item", enabled=args.get("progress", True)) as bar:
+        after = -1
+        fd = os.open("items.jsonl", _NEW, 0o644, dir_fd=root)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            while True:
+                page = view.item_rows(after, 2000)
+                if not page:
+                    break
+                lines = []
+                for r in page:
+                    row = {
+                        "id": r.id,
+                        "label": r.label,
+                        "source": r.source,
+                        "metadata": r.metadata,
+                        "created_at": r.created_at,
+                        "image": images.get(r.id),
+                    }
+                    lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+                    n += 1
+                f.write("".join(lines))
+                bar.update(len(page))
+                after = page[-1].id
+    _write_new(root, "labels.json", json.dumps(label_dirs, ensure_ascii=False, indent=1).encode())
+    summary = {"gallery_version": version, "items": n, "images": len(images)}
+    _write_new(root, "export.json", json.dumps(summary, indent=1).encode())
+    return n, len(images), version
+
+
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+
+
+def _open_export_dir(out: Path) -> int:
+    """A handle on OUT, a new or empty folder (created here when absent), not a link."""
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(out)
+    try:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise SNCAError(f"{out} is not a folder this can write into ({e.strerror})") from None
+    if os.listdir(fd):
+        os.close(fd)
+        raise SNCAError(f"{out} exists and is not an empty folder")
+    return fd
+
+
+def _mkdir(parent: int, name: str) -> int:
+    """A new folder `name` in the folder `parent` (a handle), opened without following links."""
+    try:
+        os.mkdir(name, 0o755, dir_fd=parent)
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    except OSError as e:
+        raise SNCAError(
+            f"cannot create {name!r} in the export folder ({e.strerror}): something else "
+            "wrote into it meanwhile"
+        ) from None
+
+
+def _write_new(parent: int, name: str, data: bytes) -> None:
+    try:
+        fd = os.open(name, _NEW, 0o644, dir_fd=parent)
+    except OSError as e:
+        raise SNCAError(
+            f"cannot create {name!r} in the export folder ({e.strerror}): something else "
+            "wrote into it meanwhile"
+        ) from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+MAX_FOLDER_BYTES = 100  # a label longer than this (UTF-8) gets a number: NAME_MAX is 255 bytes
+
+
+def _folder(label: str, taken: set[str]) -> str:
+    """The label itself as a folder name where that is safe (so the export imports back as
+    an image folder), else a free number (labels.json maps them)."""
+    bad = set('/\\\0:*?"<>|') & set(label)
+    name = label
+    n = len(taken)
+    while (
+        bad
+        or name.startswith(".")
+        or name.strip() != name
+        or name in taken
+        or len(name.encode("utf-8", "surrogatepass")) > MAX_FOLDER_BYTES
+    ):
+        name, bad, n = f"{n:05d}", set(), n + 1
+    taken.add(name)
+    return name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    try:
+        from service.http.logs import setup_logging
+
+        setup_logging(args.get("log_level", "warning"))
+        if args["cmd"] == "import":
+            return import_images(args)
+        return export_items(args)
+    except ImportError as e:
+        print(f"snca-gallery: error: {e} (pip install 'snca[serve]')", file=sys.stderr)
+        return 2
+    except (SNCAError, OSError, ValueError, RuntimeError) as e:
+        print(f"snca-gallery: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("snca-gallery: interrupted; every batch written before is kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,243 @@
+"""The Store contract (service/store/base.py): the same cases against SQLite and a real
+PostgreSQL (tests/service/pg.py), on a seed store made here (no model needed). A backend that
+answers differently from the other fails here, whatever its SQL."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import numpy as np
+import pytest
+
+from embedding.gallery import create_store, schema_statements
+from service.store import BACKENDS, NothingChanged, Store, StoreReader, backend_of
+from service.store.postgres import PostgresStore
+from service.store.sqlite import SqliteStore
+
+from .pg import postgres  # noqa: F401 (fixture)
+
+DIM = 8
+FP, INDEX = "sha256:" + "ab" * 32, "build-1"
+TRAINED = {"a": 3, "b": 2}  # label -> trained items in the seed
+
+
+@pytest.fixture
+def seed(tmp_path):
+    rng = np.random.default_rng(0)
+    rows, i = [], 0
+    for label, n in TRAINED.items():
+        for _ in range(n):
+            v = rng.normal(size=DIM).astype("<f4")
+            rows.append(
+                (i, label, "trained", {"dataset_index": i}, v.tobytes(), b"png" if i % 2 else None)
+            )
+            i += 1
+    path = tmp_path / "seed.sqlite"
+    create_store(path, rows, {"model_fingerprint": FP, "index_id": INDEX, "dim": str(DIM)})
+    return path
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, seed, tmp_path) -> Store:
+    if request.param == "sqlite":
+        s = SqliteStore(tmp_path / "data" / "gallery.sqlite", seed, FP, INDEX)
+    else:
+        pg = request.getfixturevalue("postgres")
+        s = PostgresStore(pg.new_database(), seed, FP, INDEX)
+    yield s
+    s.close()
+
+
+def vecs(n: int, seed: int = 1) -> np.ndarray:
+    v = np.random.default_rng(seed).normal(size=(n, DIM)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def test_every_backend_implements_the_whole_interface_with_its_signatures():
+    abstract = Store.__abstractmethods__
+    assert {"claims", "transaction", "changes_after", "reader", "_next_ids"} <= abstract
+    for cls in BACKENDS.values():
+        assert issubclass(cls, Store) and not inspect.isabstract(cls), cls.__name__
+        for name in abstract:
+            want = inspect.signature(getattr(Store, name))
+            got = inspect.signature(getattr(cls, name))
+            assert list(got.parameters) == list(want.parameters), (cls.__name__, name)
+
+
+def test_the_registry_picks_the_backend_by_target(tmp_path):
+    assert backend_of("postgresql://u@h/db") == "postgresql"
+    assert backend_of("postgres://u@h/db") == "postgresql"
+    assert backend_of(tmp_path / "g.sqlite") == "sqlite"
+    assert backend_of(str(tmp_path / "postgresql.sqlite")) == "sqlite"
+
+
+def test_both_backends_create_the_same_tables():
+    for dialect in ("sqlite", "postgresql"):
+        names = [s.split()[2] for s in schema_statements(dialect) if s.startswith("CREATE TABLE")]
+        assert names == ["meta", "items", "log"], dialect
+
+
+def test_seeded_store_holds_the_trained_items(store):
+    meta = store.meta()
+    assert meta["model_fingerprint"] == FP and meta["index_id"] == INDEX
+    assert store.dim == DIM and store.last_seq() == 0
+    items = store.live_items()
+    assert [(i.id, i.label, i.source) for i in items] == [
+        (0, "a", "trained"),
+        (1, "a", "trained"),
+        (2, "a", "trained"),
+        (3, "b", "trained"),
+        (4, "b", "trained"),
+    ]
+    assert all(i.world is None and i.embedding.shape == (DIM,) for i in items)
+    assert store.with_thumbnails([0, 1, 2, 3]) == {1, 3}
+    assert store.thumbnail(1) == b"png" and store.thumbnail(0) is None
+
+
+def test_add_numbers_writes_and_ids_and_the_log_follows(store):
+    worlds = np.arange(2 * 5, dtype=np.float32).reshape(2, 5)
+    seq, ids = store.add(
+        "new", vecs(2), [{"k": "é"}, None], [(b"img", "image/png"), None], [b"t", None], worlds
+    )
+    assert (seq, ids) == (1, [5, 6])
+    seq2, ids2 = store.add("b", vecs(1, 2), [None], [None])
+    assert (seq2, ids2) == (2, [7])
+    assert store.last_seq() == 2 and store.head() == 2
+    assert store.log_gaps() == (0, 2, [])
+    assert isinstance(store.log_token(1), str) and store.log_token(1) != store.log_token(2)
+    assert store.log_token(99) is None
+
+    got = store.items([5, 6, 7, 100])
+    assert got == {
+        5: ("new", "added", {"k": "é"}, True),
+        6: ("new", "added", None, False),
+        7: ("b", "added", None, False),
+    }
+    added = store.live_items(after_seq=0)
+    assert [i.id for i in added] == [5, 6, 7] and [i.add_seq for i in added] == [1, 1, 2]
+    assert np.array_equal(added[0].world, worlds[0]) and added[2].world is None
+    assert [i.id for i in store.live_items(after_seq=0, upto=1)] == [5, 6]
+
+    stored = store.added_items(after_id=-1, limit=10)
+    assert [s.id for s in stored] == [5, 6, 7]
+    assert stored[0].image == b"img" and stored[0].image_type == "image/png"
+    assert stored[0].thumbnail == b"t" and isinstance(stored[0].embedding, bytes)
+    assert [s.id for s in store.added_items(after_id=5, limit=1)] == [6]
+
+    cs = store.changes_after(0)
+    assert (cs.last_seq, cs.floor) == (2, 0)
+    assert [(c.seq, c.op, c.ids, c.label) for c in cs.changes] == [
+        (1, "add", [5, 6], "new"),
+        (2, "add", [7], "b"),
+    ]
+    assert np.allclose(cs.changes[0].embeddings, vecs(2), atol=1e-6)
+    assert np.array_equal(cs.changes[0].worlds[1], worlds[1])
+    assert [c.seq for c in store.changes_after(1).changes] == [2]
+
+
+def test_deletes_by_id_and_by_label_resolve_in_the_store(store):
+    store.add("new", vecs(2), [None, None], [None, None])  # seq 1, ids 5, 6
+    seq, rows = store.delete(ids=[0, 5, 42])
+    assert seq == 2 and sorted(r[0] for r in rows) == [0, 5]
+    assert {r[0]: (r[1], r[3]) for r in rows} == {0: ("a", "trained"), 5: ("new", "added")}
+    assert store.delete(ids=[0, 5]) == (0, [])  # nothing live: no write
+    assert store.last_seq() == 2
+    seq, rows = store.delete(label="a")
+    assert seq == 3 and sorted(r[0] for r in rows) == [1, 2]
+    assert store.delete(label="a") == (0, [])
+    assert 0 not in store.items([0, 1, 3]) and set(store.items([0, 1, 3])) == {3}
+    assert {d[0] for d in store.deleted_after(1)} == {0, 1, 2, 5}
+    cs = store.changes_after(1)
+    assert [(c.seq, c.op, sorted(c.ids)) for c in cs.changes] == [
+        (2, "delete", [0, 5]),
+        (3, "delete", [1, 2]),
+    ]
+    # an add and its delete both after the version: both in order
+    assert [(c.seq, c.op) for c in store.changes_after(0).changes] == [
+        (1, "add"),
+        (2, "delete"),
+        (3, "delete"),
+    ]
+
+
+def test_item_pages_filter_and_follow_the_cursor(store):
+    store.add("b", vecs(1), [{"x": 1}], [None], [b"t"])  # id 5
+    page = store.item_rows(after_id=-1, limit=3)
+    assert [r.id for r in page] == [0, 1, 2]
+    assert [r.id for r in store.item_rows(after_id=2, limit=10)] == [3, 4, 5]
+    rows = store.item_rows(after_id=-1, limit=10, label="b")
+    assert [(r.id, r.source, r.has_thumbnail) for r in rows] == [
+        (3, "trained", True),
+        (4, "trained", False),
+        (5, "added", True),
+    ]
+    assert rows[2].metadata == {"x": 1} and rows[2].created_at
+    assert [r.id for r in store.item_rows(after_id=-1, limit=10, item_id=4)] == [4]
+    store.delete(ids=[4])
+    assert store.item_rows(after_id=-1, limit=10, item_id=4) == []
+
+
+def test_a_reader_sees_the_store_as_it_was_when_it_opened(store):
+    store.add("x", vecs(2), [None, None], [(b"i1", "image/png"), (b"i2", "image/png")])
+    with store.reader() as r:
+        assert isinstance(r, StoreReader)
+        store.add("y", vecs(1), [None], [None])
+        store.delete(ids=[5])
+        assert r.last_seq() == 1
+        assert [s.id for s in r.added_items(-1, 10)] == [5, 6]
+        assert [x.id for x in r.item_rows(-1, 100)] == [0, 1, 2, 3, 4, 5, 6]
+    assert store.last_seq() == 3
+
+
+def test_transaction_rolls_back_on_nothing_changed_and_on_errors(store):
+    def nothing(conn, seq):
+        raise NothingChanged(["why"])
+
+    assert store.transaction(nothing, "delete") == (0, ["why"])
+    assert store.last_seq() == 0 and store.log_gaps() == (0, 0, [])
+
+    def boom(conn, seq):
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError):
+        store.transaction(boom, "add")
+    assert store.last_seq() == 0
+    seq, result = store.transaction(lambda conn, seq: seq * 10, "migrate")
+    assert (seq, result) == (1, 10) and store.log_gaps() == (0, 1, [])
+
+
+def test_compaction_forgets_deleted_history_and_moves_the_floor(store):
+    store.add("x", vecs(2), [None, None], [None, None])  # 1: ids 5, 6
+    store.delete(ids=[5])  # 2
+    store.delete(ids=[0])  # 3 (a trained item: its row stays)
+    store.add("y", vecs(1), [None], [None])  # 4
+    assert store.compact(3) == 1  # the added item deleted by then
+    floor, last, missing = store.log_gaps()
+    assert (floor, last, missing) == (3, 4, [])
+    assert store.log_token(3) is not None and store.log_token(2) is None
+    cs = store.changes_after(3)
+    assert cs.floor == 3 and [(c.seq, c.op) for c in cs.changes] == [(4, "add")]
+
+
+def test_concurrent_writers_get_gap_free_seqs_in_commit_order(store):
+    errors = []
+
+    def writer(k):
+        try:
+            for _ in range(5):
+                store.add(f"w{k}", vecs(1, k), [None], [None])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert store.last_seq() == 20 and store.log_gaps() == (0, 20, [])
+    seqs = [c.seq for c in store.changes_after(0).changes]
+    assert seqs == list(range(1, 21))
+    ids = [i for c in store.changes_after(0).changes for i in c.ids]
+    assert sorted(ids) == list(range(5, 25))  # every id once
