@@ -38,10 +38,14 @@ train: install data ## (re)train the default model and rebuild its index; the ga
 	$(PY) -m training $(TRAIN_ARGS)
 	$(PY) -m index_builder $(OUT) --out $(OUT)/index --reuse --thumbnails
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist), each test file on one of them (module
+# fixtures are set up once); the test models are trained once for all (tests/conftest.py Models).
+TEST_WORKERS ?= 2
+
 test: install data browser postgres ## set up, then lint (rules + formatting) and run the whole test suite
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 install: $(STAMP)
 
@@ -67,14 +71,15 @@ data:
 		echo "no apt-get: Fashion-MNIST will be downloaded by torchvision on first use"; \
 	fi
 
-# Debian's Chromium for the browser tests (tests/service/test_browser.py, driven by Playwright).
+# Debian's Chromium for the browser tests (tests/service/test_browser.py, driven by Playwright),
+# and curl for the README's examples (tests/service/test_readme_examples.py runs them).
 browser:
-	@if [ -x /usr/bin/chromium ]; then echo "Chromium: /usr/bin/chromium"; \
+	@if [ -x /usr/bin/chromium ] && command -v curl >/dev/null; then echo "Chromium: /usr/bin/chromium"; \
 	elif command -v apt-get >/dev/null 2>&1; then \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo "sudo -n"); \
 		export DEBIAN_FRONTEND=noninteractive; \
-		$$SUDO apt-get install -y -q chromium >/dev/null \
-		|| { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium >/dev/null; } \
+		$$SUDO apt-get install -y -q chromium curl >/dev/null \
+		|| { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium curl >/dev/null; } \
 		|| { echo "cannot install chromium: the browser tests will fail" >&2; exit 1; }; \
 	else echo "no apt-get: install Chromium at /usr/bin/chromium for the browser tests" >&2; exit 1; fi
 
@@ -104,10 +109,11 @@ reproduce: install data
 STRESS_ROUNDS ?= 20
 FUZZ_EXAMPLES ?= 100
 SOAK_MINUTES ?= 10
-stress: install data browser
+stress: install data browser postgres
 	test -d runs/bench-conv4/index || $(PY) benchmarks/service_load.py --prepare
-	SNCA_STRESS_ROUNDS=$(STRESS_ROUNDS) SNCA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s \
-		tests/service/test_faults.py tests/service/test_fuzz.py tests/service/test_hostile.py
+	SNCA_STRESS_ROUNDS=$(STRESS_ROUNDS) SNCA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SNCA_REPLICA_SECONDS=60 \
+		$(PY) -m pytest -q -s tests/service/test_faults.py tests/service/test_fuzz.py \
+		tests/service/test_hostile.py tests/service/test_replicas.py
 	$(PY) benchmarks/soak.py --minutes $(SOAK_MINUTES) --json docs/soak.json
 
 # Dependency audit of the installed venv (OSV, else PyPI's advisory data; benchmarks/audit.py):

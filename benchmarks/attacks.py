@@ -193,7 +193,13 @@ def round_three(c: httpx.Client, port: int, tee: bytes) -> None:
 
 
 def main() -> int:
-    run = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/demo")
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("run", nargs="?", type=Path, default=Path("runs/demo"), help="a run dir")
+    run = ap.parse_args().run
     tmp = Path(tempfile.mkdtemp(prefix="snca-attacks-"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"

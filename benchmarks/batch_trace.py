@@ -60,7 +60,7 @@ def timed(fn, key):
     return wrapper
 runtime.ModelRuntime._run_batch = timed(runtime.ModelRuntime._run_batch, "batch")
 embedder.Embedder.forward = timed(embedder.Embedder.forward, "forward")
-gallery.Gallery.classify = timed(gallery.Gallery.classify, "vote")
+gallery.Gallery.answer = timed(gallery.Gallery.answer, "vote")
 real_create = app_mod.create_app
 def create_app(*a, **k):
     app = real_create(*a, **k)

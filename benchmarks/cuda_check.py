@@ -23,6 +23,11 @@ from training.nca import nca_loss, nca_loss_reference
 
 
 def main() -> int:
+    import argparse
+
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 1

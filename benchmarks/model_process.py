@@ -71,9 +71,10 @@ def on_results():
                 )
         del buf[:4 + n]
 
-async def classify(self, p, vote, k, labels, neighbors):
+async def classify(self, p, query):
     global loop
-    if labels or neighbors:
+    vote, k = query.vote, query.k
+    if query.labels or query.neighbors:
         raise RuntimeError("the prototype serves no labels filter and no neighbours")
     if loop is None:
         loop = asyncio.get_running_loop()

@@ -8,6 +8,7 @@ work on both; bare model + vote throughput at batch 64 on each device.
 Exit status 0 when every image gets the same label on both devices.
 """
 
+import argparse
 import glob
 import os
 import sys
@@ -21,7 +22,13 @@ from service.config import Settings
 from service.http.app import create_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-RUN, IMAGES = Path(sys.argv[1]), Path(sys.argv[2])
+_ap = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+)
+_ap.add_argument("run", type=Path, help="a run dir with its index")
+_ap.add_argument("images", type=Path, help="a folder of PNG images (one named *bag*)")
+_args = _ap.parse_args()
+RUN, IMAGES = _args.run, _args.images
 imgs = sorted(glob.glob(str(IMAGES / "*.png")))
 bag = next(p for p in imgs if "bag" in p)
 

@@ -1,6 +1,6 @@
 """The candidate vote (the service's path past exact_vote_max) against the exact dense vote on
 a default-sized gallery: 55,000 real Fashion-MNIST training images embedded by a trained model,
-the 10,000 test images as queries, the service's default K' (issue 20's parity targets)."""
+5,000 test images as queries, the service's default K' (issue 20's parity targets)."""
 
 import numpy as np
 
@@ -16,7 +16,10 @@ def test_candidate_vote_keeps_the_exact_votes_labels_on_the_default_gallery(shor
     train, test = load_raw("fashion-mnist", "train"), load_raw("fashion-mnist", "test")
     emb = embed(model, train.source.images[:55_000])
     y = np.asarray(train.targets[:55_000], dtype=np.int64)
-    q, qy = embed(model, test.source.images), np.asarray(test.targets, dtype=np.int64)
+    # 5,000 of the test images as queries (the gallery is the default size; what is compared is
+    # each query's label under the two votes, so half the queries halve the time, not the check)
+    q = embed(model, test.source.images[:5000])
+    qy = np.asarray(test.targets[:5000], dtype=np.int64)
     exact = make_gallery(emb, y, names, exact_max=10**12)
     cand = make_gallery(emb, y, names, exact_max=0, candidates=CANDIDATES)
     assert exact.rows.dense and not cand.rows.dense
