@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
         "groups; CIFAR-100 superclasses); fine labels are kept in the memory bank",
     )
     g.add_argument(
+        "--init",
+        metavar="SOURCE",
+        help="start from these weights: another run dir (backbone + embedding layer), a "
+        "checkpoint file (torchvision state_dict, the SNCA paper's .pth.tar, .safetensors; "
+        "read without unpickling code), or torchvision:NAME[:WEIGHTS] from torch's hub cache "
+        "(offline); recorded with its sha256 in the model card",
+    )
+    g.add_argument(
         "--subset",
         type=positive_int,
         help="stratified subset of N training-split images; the validation split is carved from it",

@@ -45,6 +45,8 @@ class TrainConfig:
     memory_momentum_start: float = 0.5
     memory_momentum_end: float = 0.9
     memory_momentum_schedule: str = "linear"
+    # where the weights start (training/init/): a run dir, a checkpoint file, torchvision:NAME
+    init: str | None = None
     # synthetic outlier exposure (training/outlier_exposure.py): weight 0 turns it off
     outlier_exposure: float = 0.0
     outlier_ratio: float = 0.25  # outliers per image of a batch

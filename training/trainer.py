@@ -352,7 +352,14 @@ class Trainer:
             pin_memory=device.type == "cuda",
             persistent_workers=cfg.num_workers > 0,
         )
-        self.module = module = TrainModule(data.model_cfg, softmax=cfg.loss == "softmax").to(device)
+        module = TrainModule(data.model_cfg, softmax=cfg.loss == "softmax")
+        self.init = None  # the model card's record of --init
+        if cfg.init:
+            from .init import initialise
+
+            self.init = initialise(module.net, cfg.init)
+            self.log(f"initialised from {cfg.init}: {self.init['embedding_layer']} embedding layer")
+        self.module = module = module.to(device)
         if cfg.sync_bn and dist.enabled and device.type == "cuda":
             self.module = module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
         self.bank = MemoryBank(
@@ -568,6 +575,7 @@ class Trainer:
         self.log("final validation (memory bank and re-embedded training images)...")
         final = evaluate(m.net, m.head, self.bank, data, cfg, self.device, recompute=True)
         recipe = {"loss": cfg.loss, "epochs": cfg.epochs, "outlier_exposure": None}
+        recipe["init"] = self.init
         if self.outliers is not None:
             recipe["outlier_exposure"] = {
                 "weight": cfg.outlier_exposure,

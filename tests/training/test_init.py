@@ -1,0 +1,180 @@
+"""`snca-train --init SOURCE` (training/init/): each kind of source loads to the same outputs as
+the model it was written from; bad files, missing files offline and another architecture are
+refused with a message that says why; the model card records where the weights came from.
+External formats are written here from their published structure (nothing can be downloaded)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from embedding import EmbeddingNet, ModelConfig, save_model
+from embedding.errors import SNCAError
+from tests.conftest import run_cli
+from training.init import initialise
+
+X = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+
+
+def resnet18_config(in_channels: int = 3, **kw) -> ModelConfig:
+    """A ResNet-18 with torchvision's own stem (7x7 stride 2 + max-pool), as ImageNet weights
+    expect."""
+    return ModelConfig(
+        arch="resnet18",
+        in_channels=in_channels,
+        image_size=64,
+        mean=[0.5] * in_channels,
+        std=[0.25] * in_channels,
+        class_names=["a", "b"],
+        small_stem=False,
+        **kw,
+    )
+
+
+def torchvision_resnet18(fc_out: int | None = None) -> nn.Module:
+    """A torchvision ResNet-18 with random (not default-initialised) weights, in eval mode;
+    `fc_out`: its fc re-sized (the paper's 128-d embedding) instead of ImageNet's 1,000."""
+    torch.manual_seed(1)
+    net = torchvision.models.resnet18(weights=None)
+    if fc_out is not None:
+        net.fc = nn.Linear(net.fc.in_features, fc_out)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+    return net.eval()
+
+
+def pooled(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """torchvision ResNet features before its fc, (B, 512)."""
+    fc, net.fc = net.fc, nn.Identity()
+    try:
+        with torch.no_grad():
+            return net(x)
+    finally:
+        net.fc = fc
+
+
+def test_a_torchvision_state_dict_gives_the_same_features(tmp_path):
+    tv = torchvision_resnet18()
+    torch.save(tv.state_dict(), tmp_path / "resnet18.pth")
+    model = EmbeddingNet(resnet18_config())
+    record = initialise(model, str(tmp_path / "resnet18.pth"))
+    with torch.no_grad():
+        got = model.eval().features(X)
+    assert (got - pooled(tv, X)).abs().max().item() < 1e-5
+    # ImageNet's 1,000-way classifier is not an embedding layer: it starts new, and says so
+    assert record["embedding_layer"] == "new" and "classifier" in record["notes"][0]
+    assert record["kind"] == "checkpoint" and record["sha256"].startswith("sha256:")
+
+
+def test_the_papers_checkpoint_layout_loads_backbone_and_embedding(tmp_path):
+    """microsoft/snca.pytorch's .pth.tar: a DataParallel state_dict (module. prefixes) whose fc
+    is the 128-d embedding, beside its epoch and memory bank."""
+    tv = torchvision_resnet18(fc_out=128)
+    ckpt = {
+        "epoch": 130,
+        "arch": "resnet18",
+        "state_dict": {"module." + k: v for k, v in tv.state_dict().items()},
+        "lemniscate": {"memory": torch.randn(10, 128)},
+        "best_prec1": 70.59,
+    }
+    torch.save(ckpt, tmp_path / "snca_resnet18.pth.tar")
+    model = EmbeddingNet(resnet18_config())
+    record = initialise(model, str(tmp_path / "snca_resnet18.pth.tar"))
+    with torch.no_grad():
+        want = nn.functional.normalize(tv(X), dim=1)
+        got = model.eval()(X)
+    assert (got - want).abs().max().item() < 1e-5
+    assert record["embedding_layer"] == "loaded"
+    assert "left out" in record["notes"][0] and "lemniscate" in record["notes"][0]
+
+
+def test_a_run_dir_of_this_project_transfers_backbone_and_embedding(tmp_path):
+    torch.manual_seed(3)
+    src = EmbeddingNet(resnet18_config(embedding_dim=32)).eval()
+    save_model(src, tmp_path / "run")
+    model = EmbeddingNet(resnet18_config(embedding_dim=32))
+    record = initialise(model, str(tmp_path / "run"))
+    with torch.no_grad():
+        assert (model.eval()(X) - src(X)).abs().max().item() == 0
+    assert record["kind"] == "run" and record["embedding_layer"] == "loaded"
+    # another embedding size: the backbone transfers, the embedding layer starts new
+    other = EmbeddingNet(resnet18_config(embedding_dim=64))
+    assert initialise(other, f"run:{tmp_path / 'run'}")["embedding_layer"] == "new"
+
+
+def test_torchvision_weights_by_name_come_from_the_hub_cache_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    model = EmbeddingNet(resnet18_config())
+    with pytest.raises(SNCAError) as e:
+        initialise(model, "torchvision:resnet18")
+    file = tmp_path / "torch" / "hub" / "checkpoints"
+    url = torchvision.models.ResNet18_Weights.DEFAULT.url
+    assert str(file) in str(e.value) and url in str(e.value)  # which file, where to put it
+    file.mkdir(parents=True)
+    tv = torchvision_resnet18()
+    torch.save(tv.state_dict(), file / url.rsplit("/", 1)[1])
+    record = initialise(model, "torchvision:resnet18")
+    with torch.no_grad():
+        assert (model.eval().features(X) - pooled(tv, X)).abs().max().item() < 1e-5
+    assert record["kind"] == "torchvision" and record["source"] == "torchvision:resnet18"
+    with pytest.raises(SNCAError, match="no model"):
+        initialise(model, "torchvision:nonet")
+    with pytest.raises(SNCAError, match="has no weights"):
+        initialise(model, "torchvision:resnet18:NOPE")
+
+
+class Payload:  # pickled by reference: weights_only loading must refuse it
+    pass
+
+
+def test_bad_files_and_other_architectures_are_refused_clearly(tmp_path):
+    model = EmbeddingNet(resnet18_config())
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(SNCAError, match="not a readable checkpoint"):
+        initialise(model, str(tmp_path / "junk.pth"))
+    with pytest.raises(SNCAError, match="no such file"):
+        initialise(model, str(tmp_path / "missing.pth"))
+    torch.save({"state_dict": torchvision_resnet18().state_dict(), "obj": Payload()},
+               tmp_path / "code.pth")  # fmt: skip
+    with pytest.raises(SNCAError, match="refused to unpickle"):
+        initialise(model, str(tmp_path / "code.pth"))
+    # a conv4 run dir into a ResNet: the keys say why
+    conv4 = EmbeddingNet(ModelConfig(arch="conv4", class_names=["a", "b"]))
+    save_model(conv4, tmp_path / "conv4")
+    with pytest.raises(SNCAError) as e:
+        initialise(model, str(tmp_path / "conv4"))
+    assert "missing keys: " in str(e.value) and "unexpected keys: features" in str(e.value)
+    # a ResNet-18 file into a grey-image ResNet-18: conv1's shape differs
+    torch.save(torchvision_resnet18().state_dict(), tmp_path / "rgb.pth")
+    grey = EmbeddingNet(resnet18_config(in_channels=1))
+    with pytest.raises(SNCAError, match=r"other shapes: conv1.weight"):
+        initialise(grey, str(tmp_path / "rgb.pth"))
+
+
+def test_snca_train_init_records_its_source_in_the_model_card(tmp_path):
+    """The CLI end to end on a tiny run: a second run starts from the first's weights; its
+    model card says from which file, with its sha256."""
+    tiny = ["--subset", "300", "--val-size", "60", "--epochs", "1", "--batch-size", "64"]
+    p = run_cli("training", *tiny, "--no-progress", "--out", tmp_path / "a")
+    assert p.returncode == 0, p.stderr
+    p = run_cli(
+        "training", *tiny, "--no-progress", "--out", tmp_path / "b", "--init", tmp_path / "a"
+    )
+    assert p.returncode == 0, p.stderr
+    assert "initialised from" in p.stdout + p.stderr
+    card = json.loads((tmp_path / "b" / "model.json").read_text())
+    init = card["training"]["init"]
+    assert init["kind"] == "run" and init["embedding_layer"] == "loaded"
+    assert init["file"].endswith("a/model.safetensors") and init["sha256"].startswith("sha256:")
+    p = run_cli("training", *tiny, "--no-progress", "--out", tmp_path / "c",
+                "--init", tmp_path / "nothing.pth")  # fmt: skip
+    assert p.returncode == 2 and "no such file" in p.stderr, p.stderr
