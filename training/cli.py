@@ -69,6 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
         "(offline); recorded with its sha256 in the model card",
     )
     g.add_argument(
+        "--backbone-lr",
+        type=float,
+        help=f"fine-tuning: the backbone's learning rate as a factor of --lr (default "
+        f"{d.backbone_lr:g})",
+    )
+    g.add_argument(
+        "--freeze-stages",
+        type=int,
+        help="fine-tuning: freeze the backbone's first N stages (conv4: 4 blocks; ResNet: stem, "
+        f"layer1..4) (default {d.freeze_stages})",
+    )
+    g.add_argument(
+        "--bn-frozen",
+        action="store_true",
+        help="fine-tuning: keep the backbone's BatchNorm statistics as they start (small batches)",
+    )
+    g.add_argument(
         "--subset",
         type=positive_int,
         help="stratified subset of N training-split images; the validation split is carved from it",

@@ -47,6 +47,9 @@ class TrainConfig:
     memory_momentum_schedule: str = "linear"
     # where the weights start (training/init/): a run dir, a checkpoint file, torchvision:NAME
     init: str | None = None
+    backbone_lr: float = 1.0  # the backbone's learning rate as a factor of lr (fine-tuning)
+    freeze_stages: int = 0  # backbone stages frozen, input first (training/finetune.py)
+    bn_frozen: bool = False  # the backbone's BatchNorm statistics kept as they start
     # synthetic outlier exposure (training/outlier_exposure.py): weight 0 turns it off
     outlier_exposure: float = 0.0
     outlier_ratio: float = 0.25  # outliers per image of a batch
@@ -117,6 +120,10 @@ class TrainConfig:
             p.append(f"lr_steps are fractions of the run in (0, 1), got {self.lr_steps}")
         if self.warmup_epochs < 0:
             p.append("warmup_epochs must be >= 0")
+        if not 0 <= self.backbone_lr <= 10:
+            p.append(f"backbone_lr is a factor of lr in [0, 10], got {self.backbone_lr}")
+        if not 0 <= self.freeze_stages <= 5:
+            p.append(f"freeze_stages must be in 0..5, got {self.freeze_stages}")
         if self.num_workers < 0:
             p.append("num_workers must be >= 0")
         if self.outlier_exposure < 0 or not 0 < self.outlier_ratio <= 4:

@@ -36,7 +36,7 @@ from embedding.progress import Progress
 from embedding.rundir import DatasetProvenance, RunDir
 from embedding.transforms import eval_transform, train_transform
 
-from . import rundir
+from . import finetune, rundir
 from .config import TrainConfig
 from .datasets import Data, IndexedDataset, build_data, embed_split
 from .distributed import DistEnv, GlobalBatchSampler
@@ -370,8 +370,12 @@ class Trainer:
             generator=torch.Generator().manual_seed(cfg.seed),
         ).to(device)
         self.weight_decay = cfg.resolved_weight_decay(data.model_cfg.image_size)
+        net = module.net
+        if cfg.freeze_stages:
+            n = finetune.freeze(net, cfg.freeze_stages)
+            self.log(f"froze {cfg.freeze_stages} backbone stage(s): {n} parameters")
         self.opt = torch.optim.SGD(
-            module.parameters(),
+            finetune.param_groups(module, net.backbone, cfg.backbone_lr),
             lr=cfg.lr,
             momentum=cfg.momentum,
             nesterov=True,
@@ -455,6 +459,7 @@ class Trainer:
         steps = len(self.sampler)
         t0 = time.perf_counter()
         self.module.train()
+        finetune.hold_bn(self.module.net, self.cfg.bn_frozen, self.cfg.freeze_stages)
         self.sampler.set_epoch(epoch)
         m = self.momentum(epoch, cfg.epochs)
         # (loss sum, skipped, correct) accumulated on the device; images seen on the host
@@ -477,7 +482,7 @@ class Trainer:
             for i, (x, y, slots) in enumerate(self.loader):
                 lr = lr_at(cfg, epoch * steps + i, steps)
                 for g in self.opt.param_groups:
-                    g["lr"] = lr
+                    g["lr"] = lr * g.get("lr_factor", 1.0)
                 x = x.to(device, non_blocking=True)
                 r = train_step(
                     self.ddp,

@@ -178,3 +178,54 @@ def test_snca_train_init_records_its_source_in_the_model_card(tmp_path):
     p = run_cli("training", *tiny, "--no-progress", "--out", tmp_path / "c",
                 "--init", tmp_path / "nothing.pth")  # fmt: skip
     assert p.returncode == 2 and "no such file" in p.stderr, p.stderr
+
+
+def test_fine_tuning_freezes_stages_scales_the_backbone_lr_and_holds_batchnorm(tmp_path):
+    """--freeze-stages 2 --backbone-lr 0.1 --bn-frozen after --init: the first two conv4 blocks
+    and every backbone BatchNorm statistic end as they started, the later blocks and the
+    embedding layer move; without the flags every block moves."""
+    from embedding.artifacts import read_safetensors
+
+    tiny = ["--subset", "300", "--val-size", "60", "--epochs", "1", "--batch-size", "64"]
+    p = run_cli("training", *tiny, "--no-progress", "--out", tmp_path / "a")
+    assert p.returncode == 0, p.stderr
+    flags = ["--freeze-stages", "2", "--backbone-lr", "0.1", "--bn-frozen", "--lr", "0.5"]
+    p = run_cli("training", *tiny, *flags, "--no-progress", "--out", tmp_path / "b",
+                "--init", tmp_path / "a")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "froze 2 backbone stage(s)" in p.stdout + p.stderr
+    p = run_cli("training", *tiny, "--lr", "0.5", "--no-progress", "--out", tmp_path / "c",
+                "--init", tmp_path / "a")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    a, b, c = (read_safetensors(tmp_path / r / "model.safetensors")[0] for r in "abc")
+
+    def same(x, k):
+        return torch.equal(a[k], x[k])
+
+    # conv4 block i is backbone.features.{4i}: conv, {4i+1}: BatchNorm
+    for block in (0, 1):
+        assert same(b, f"backbone.features.{4 * block}.weight")  # frozen
+        assert same(b, f"backbone.features.{4 * block + 1}.weight")
+    for block in (2, 3):
+        assert not same(b, f"backbone.features.{4 * block}.weight")  # trained
+    assert not same(b, "embed.weight")
+    stats = [k for k in a if k.endswith(("running_mean", "running_var"))]
+    assert stats and all(same(b, k) for k in stats)  # --bn-frozen
+    # the same run without the flags moves every block and the statistics
+    assert not same(c, "backbone.features.0.weight") and not all(same(c, k) for k in stats)
+
+
+def test_param_groups_put_the_trainable_backbone_at_its_factor():
+    from training.finetune import freeze, param_groups, stages
+
+    model = EmbeddingNet(resnet18_config())
+    assert len(stages(model)) == 5  # stem, layer1..layer4
+    n = freeze(model, 2)
+    assert n == sum(p.numel() for m in stages(model)[:2] for s in m for p in s.parameters())
+    groups = param_groups(model, model.backbone, 0.1)
+    back, rest = groups
+    assert back["lr_factor"] == 0.1 and rest["lr_factor"] == 1.0
+    assert {id(p) for p in rest["params"]} == {id(p) for p in model.embed.parameters()}
+    frozen = {id(p) for s in stages(model)[:2] for m in s for p in m.parameters()}
+    assert not frozen & {id(p) for p in back["params"]}  # frozen ones are left out
+    assert len(back["params"]) + len(frozen) == len(list(model.backbone.parameters()))
