@@ -40,6 +40,7 @@ class Store(ABC):
     url: str  # where it is, safe to show (no secret)
     dim: int  # embedding dimension
     read_only: str | None  # why writes are refused now (None: writable)
+    dialect: ClassVar[sql.Dialect]  # the placeholder and types of its driver (sql.py)
 
     @classmethod
     @abstractmethod
@@ -208,8 +209,6 @@ class Store(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
-
-    dialect: ClassVar[sql.Dialect]
 
 
 def insert_items(conn, dialect: sql.Dialect, items: list[StoredItem], seq: int) -> None:

@@ -320,11 +320,7 @@ class PostgresStore(Store):
                 rows = conn.execute(D.q(sql.CHANGES), (after, after, after)).fetchall()
             return meta, rows
 
-        meta, rows = self._follow(fn)
-        rows = [
-            (r[0], r[1], r[2], bytes(r[3]), r[4], r[5], None if r[6] is None else bytes(r[6]))
-            for r in rows
-        ]
+        meta, rows = self._follow(fn)  # (records.vec reads psycopg's memoryviews as they are)
         return ChangeSet(
             int(meta["last_seq"]),
             int(meta.get("log_floor", 0)),

@@ -330,11 +330,8 @@ class SqliteStore(Store):
             self._check_retired()
             return self.conn.execute(query, params).fetchall()
 
-    def select(self, sql: str, params: tuple = ()) -> list[tuple]:
-        """A read-only query on the store's connection (e.g. a migration's own tables)."""
-        with self._lock:
-            self._check_retired()
-            return self.conn.execute(sql, params).fetchall()
+    # a read-only query on the store's connection (a migration reads its own tables with it)
+    select = _select
 
     def integrity_check(self) -> str:
         with self._lock:
