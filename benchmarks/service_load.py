@@ -3,6 +3,8 @@
     python benchmarks/service_load.py --prepare            # tiny conv4 and resnet18 runs + indexes
     python benchmarks/service_load.py                      # both models, batching on and off
     python benchmarks/service_load.py --models conv4 --max-batches 1,2,4,64 --rates 700
+    python benchmarks/service_load.py --prepare --models resnet50-224 --query photo \
+        --levels 1,2,4,8,16 --max-batches 16 --seconds 20      # photos at 224 px (ResNet-50)
 
 For each model and batching setting: a fresh `python -m service` process on loopback; a load
 generator in a separate process (asyncio, keep-alive connections, pre-built multipart requests
@@ -33,11 +35,51 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RUNS = {"conv4": ROOT / "runs" / "bench-conv4", "resnet18": ROOT / "runs" / "bench-resnet18"}
+# Colour photographs at 224 px (issue 30): a ResNet-50 trained one epoch on crops of
+# scikit-image's photographs; its query (--query photo) is a 640x480 JPEG photo.
+PHOTO_RUNS = {"resnet50-224": ROOT / "runs" / "bench-resnet50-224"}
+
+
+def photo_folder(root: Path, per_class: int = 16) -> Path:
+    """root/<photo>/<i>.jpg: square crops of five of scikit-image's photographs, 256-480 px."""
+    import skimage.data
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name in ("chelsea", "coffee", "rocket", "astronaut", "hubble_deep_field"):
+        im = Image.fromarray(getattr(skimage.data, name)()).convert("RGB")
+        (root / name).mkdir(parents=True, exist_ok=True)
+        w, h = im.size
+        for i in range(per_class):
+            s = int(min(w, h) * rng.uniform(0.5, 1.0))
+            x, y = int(rng.integers(0, w - s + 1)), int(rng.integers(0, h - s + 1))
+            side = int(rng.integers(256, 480))
+            crop = im.crop((x, y, x + s, y + s)).resize((side, side))
+            crop.save(root / name / f"{i}.jpg", quality=90)
+    return root
+
+
+def query_photo() -> bytes:
+    """A 640x480 JPEG photograph (scikit-image's astronaut), the photo models' query."""
+    import skimage.data
+    from PIL import Image
+
+    b = io.BytesIO()
+    Image.fromarray(skimage.data.astronaut()).resize((640, 480)).save(b, "JPEG", quality=90)
+    return b.getvalue()
 
 
 def prepare() -> None:
     """Tiny training runs (1 epoch) with their exact indexes: throughput does not need accuracy."""
-    for arch, out in RUNS.items():
+    photos = ROOT / "runs" / "bench-photos"
+    extra = {
+        "resnet50-224": ["--dataset", "imagefolder", "--data-dir", str(photos), "--image-size",
+                         "224", "--batch-size", "16"],
+    }  # fmt: skip
+    for arch, out in {**RUNS, **PHOTO_RUNS}.items():
+        if arch in extra and not photos.is_dir():
+            photo_folder(photos)
+        args = extra.get(arch, ["--subset", "6000"])
         if not (out / "index" / "manifest.json").is_file():
             subprocess.run(
                 [
@@ -45,9 +87,8 @@ def prepare() -> None:
                     "-m",
                     "training",
                     "--arch",
-                    arch,
-                    "--subset",
-                    "6000",
+                    arch.split("-")[0],
+                    *args,
                     "--val-size",
                     "0",
                     "--epochs",
@@ -294,6 +335,19 @@ def _server_cpu_us(before: dict, after: dict, requests: int) -> dict[str, float]
     return {k: (after[k] - before[k]) / max(requests, 1) * 1e6 for k in before if k in after}
 
 
+def server_memory(pid: int) -> dict[str, float]:
+    """The server process's resident memory now and at its peak (VmRSS, VmHWM), in MB."""
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key = {"VmRSS:": "rss", "VmHWM:": "peak"}.get(line.split()[0] if line else "")
+            if key:
+                out[key] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
 def _stats(lat: list, errors: list, wall: float) -> dict:
     lat_ms = np.array(lat) * 1000
     return {
@@ -331,7 +385,9 @@ def load_level(args) -> dict:
     return {"concurrency": conc, **stats, "client_cpu_us": _cpu_since(t0, stats["requests"])}
 
 
-def bare_limit(run: Path, png: bytes, batch: int = 64, seconds: float = 5.0) -> dict:
+def bare_limit(
+    run: Path, png: bytes, batch: int = 64, seconds: float = 5.0, photo: bool = False
+) -> dict:
     """The service's model + gallery in this process: embed + classify a batch of 64, no HTTP
     and no decoding, at the best thread count (every count from 1 to the cores is tried).
     Also a per-request CPU breakdown of the HTTP path: the ASGI app (FastAPI, multipart, the
@@ -345,9 +401,15 @@ def bare_limit(run: Path, png: bytes, batch: int = 64, seconds: float = 5.0) -> 
     host = ServiceHost(Settings(model=run, data_dir=run / "bench-bare"))
     st = host.finish()
     embedder = st.runtime.embedder
-    raw = load_raw("fashion-mnist", "test")
     # uint8 (B, C, H, W) as the service's preprocess leaves them; embed() normalises the batch
-    x = torch.stack([embedder.preprocess(raw.source.get(i)) for i in range(batch)])
+    if photo:  # the query photograph, as the service decodes it
+        from PIL import Image
+
+        img = Image.open(io.BytesIO(png)).convert("RGB")
+        x = torch.stack([embedder.preprocess(img)] * batch)
+    else:
+        raw = load_raw("fashion-mnist", "test")
+        x = torch.stack([embedder.preprocess(raw.source.get(i)) for i in range(batch)])
 
     def rate(threads: int) -> float:
         torch.set_num_threads(threads)
@@ -499,12 +561,14 @@ def serve(
     )
     import httpx
 
-    for _ in range(300):
+    deadline = time.time() + 600  # a ResNet-50 at 224 px warms up for ~30 s on 2 cores
+    while time.time() < deadline and p.poll() is None:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
                 return p
         except httpx.HTTPError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     p.kill()
     raise RuntimeError("server did not start")
 
@@ -592,7 +656,8 @@ def main() -> None:
     ap.add_argument(
         "--models",
         default="conv4,resnet18",
-        help="bench models (conv4, resnet18) and/or run dirs, e.g. runs/demo (55,000-item gallery)",
+        help="bench models (conv4, resnet18, resnet50-224) and/or run dirs, e.g. runs/demo "
+        "(55,000-item gallery)",
     )
     ap.add_argument("--levels", default="1,2,4,8,16,32,64")
     ap.add_argument("--seconds", type=float, default=6.0, help="per concurrency level")
@@ -613,6 +678,13 @@ def main() -> None:
         help="also open-loop at these fixed rates (requests/s), the same for every setting; "
         "a rate a setting cannot keep up with is recorded as overloaded",
     )
+    ap.add_argument(
+        "--query",
+        choices=("fashion", "photo"),
+        default="fashion",
+        help="the request image: a 28x28 Fashion-MNIST PNG, or a 640x480 JPEG photograph "
+        "(for the photo models, e.g. --models resnet50-224)",
+    )
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
     try:
@@ -632,7 +704,7 @@ def main() -> None:
         ap.error("--rates must be positive")
     if a.prepare:
         prepare()
-    png = query_png()
+    png = query_photo() if a.query == "photo" else query_png()
     try:
         levels = [int(x) for x in a.levels.split(",")]
     except ValueError:
@@ -642,8 +714,9 @@ def main() -> None:
     results = {"cpu_count": os.cpu_count(), "levels": levels, "seconds_per_level": a.seconds}
     ctx = mp.get_context("spawn")
     for arch in a.models.split(","):
-        run = RUNS.get(arch, Path(arch))  # a bench model's name, or any run dir with an index
-        bare = bare_limit(run, png)
+        # a bench model's name, or any run dir with an index
+        run = {**RUNS, **PHOTO_RUNS}.get(arch, Path(arch))
+        bare = bare_limit(run, png, batch=max(max_batches), photo=a.query == "photo")
         results[arch] = {"bare": bare}
         print(
             f"{arch}: bare limit {bare['images_per_s']:.0f} img/s (batch {bare['batch']}), "
@@ -709,6 +782,7 @@ def main() -> None:
                             f"p99 {r['p99_ms']:.2f} ms  errors {r['errors']}  {_cpu_text(r)}",
                             flush=True,
                         )
+                mem = server_memory(proc.pid)
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
@@ -718,6 +792,7 @@ def main() -> None:
                 "saturation_rps": sat["rps"],
                 "saturation_concurrency": sat["concurrency"],
                 "service_over_bare": sat["rps"] / bare["images_per_s"],
+                "server_memory_mb": mem,
                 "single_request_ms": single,
                 "half_saturation": {
                     "offered_rps": half["offered_rps"],
@@ -743,7 +818,8 @@ def main() -> None:
                 f"  -> saturation {sat['rps']:.0f} img/s at c={sat['concurrency']} "
                 f"({100 * summary['service_over_bare']:.0f}% of bare); p99 at half saturation "
                 f"({half['offered_rps']:.0f}/s offered, open loop) {half['p99_ms']:.1f} ms = {summary['half_saturation']['p99_over_single']:.1f}x "
-                f"the single-request latency {single:.1f} ms; {_cpu_text(half)}",
+                f"the single-request latency {single:.1f} ms; {_cpu_text(half)}; server RSS "
+                f"{mem.get('rss', 0):.0f} MB (peak {mem.get('peak', 0):.0f} MB)",
                 flush=True,
             )
     if a.json:

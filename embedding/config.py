@@ -14,6 +14,14 @@ from typing import Any
 from .errors import ArtifactError
 
 ARCHS = ("conv4", "resnet18", "resnet34", "resnet50")
+TIMM_PREFIX = "timm:"  # arch "timm:NAME": a timm model's backbone (pip install 'snca[timm]')
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+
+
+def known_arch(arch: str) -> bool:
+    return arch in ARCHS or (arch.startswith(TIMM_PREFIX) and len(arch) > len(TIMM_PREFIX))
+
+
 MODEL_FORMAT_VERSION = 1
 
 
@@ -29,6 +37,10 @@ class ModelConfig:
     class_names: list[str] = field(default_factory=list)
     # ResNets only: 3x3 stride-1 first conv and no max-pool, for 28-64 px images.
     small_stem: bool = True
+    # Images over 64 px: resized so that the centre crop of image_size is this share of the
+    # short side, with this filter (timm's crop_pct / interpolation of pretrained weights).
+    crop_pct: float = 0.875
+    interpolation: str = "bilinear"
 
     def __post_init__(self) -> None:
         self.mean = tuple(float(m) for m in self.mean)
@@ -38,8 +50,12 @@ class ModelConfig:
 
     def validate(self) -> None:
         problems = []
-        if self.arch not in ARCHS:
-            problems.append(f"arch {self.arch!r} is not one of {', '.join(ARCHS)}")
+        if not known_arch(self.arch):
+            problems.append(f"arch {self.arch!r} is not one of {', '.join(ARCHS)} or timm:NAME")
+        if not (isinstance(self.crop_pct, (int, float)) and 0.1 <= self.crop_pct <= 1):
+            problems.append(f"crop_pct must be in [0.1, 1], got {self.crop_pct!r}")
+        if self.interpolation not in INTERPOLATIONS:
+            problems.append(f"interpolation must be one of {', '.join(INTERPOLATIONS)}")
         if not isinstance(self.in_channels, int) or self.in_channels < 1:
             problems.append(f"in_channels must be a positive integer, got {self.in_channels!r}")
         if not isinstance(self.image_size, int) or self.image_size < 8:
@@ -66,11 +82,19 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["mean"] = list(self.mean)
         d["std"] = list(self.std)
+        # fields added later enter the card (and the fingerprint, which hashes this) only when
+        # they differ from what an older card meant: older run dirs keep their fingerprints
+        for name, default in LATER_FIELDS.items():
+            if d[name] == default:
+                del d[name]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         return strict_from_dict(cls, d, "model config", ArtifactError)
+
+
+LATER_FIELDS = {"crop_pct": 0.875, "interpolation": "bilinear"}
 
 
 def strict_from_dict(cls, d: Any, what: str, error: type[Exception]):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import DataError
 
@@ -74,7 +74,9 @@ class TensorSource:
 
 
 class FileSource:
-    """Images on disk, decoded on access; an unreadable file raises DataError naming it."""
+    """Images on disk, decoded on access, EXIF orientation applied (a phone's portrait photo is
+    stored landscape with an Orientation tag: trained, indexed and thumbnailed upright, as the
+    service reads an upload); an unreadable file raises DataError naming it."""
 
     def __init__(self, paths: list[str]):
         self.paths = paths
@@ -87,7 +89,7 @@ class FileSource:
         try:
             with Image.open(path) as im:
                 im.load()
-                return im.copy()
+                return ImageOps.exif_transpose(im)  # a copy, upright
         except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as e:
             raise DataError(f"unreadable image {path}: {e}") from None
 

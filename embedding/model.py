@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from .config import TIMM_PREFIX, ModelConfig
+from .errors import ArtifactError
 
 
 class Conv4(nn.Module):
@@ -49,8 +50,27 @@ def _resnet(arch: str, in_channels: int, small_stem: bool) -> tuple[nn.Module, i
     return net, out_dim
 
 
+def _timm(name: str, in_channels: int) -> tuple[nn.Module, int]:
+    """A timm model without its classifier (num_classes=0: pooled features), random weights;
+    `--init timm:NAME` loads its pretrained ones (training/init/timm_hub.py)."""
+    try:
+        import timm
+    except ImportError:
+        raise ArtifactError(
+            f"this model's backbone is {TIMM_PREFIX}{name}, which needs timm: "
+            "pip install 'snca[timm]'"
+        ) from None
+    try:
+        net = timm.create_model(name, pretrained=False, num_classes=0, in_chans=in_channels)
+    except RuntimeError as e:  # "Unknown model (...)"
+        raise ArtifactError(f"{TIMM_PREFIX}{name}: {e}") from None
+    return net, int(net.num_features)
+
+
 def build_backbone(cfg: ModelConfig) -> tuple[nn.Module, int]:
     """Return (backbone, feature dim) for `cfg.arch`."""
+    if cfg.arch.startswith(TIMM_PREFIX):
+        return _timm(cfg.arch[len(TIMM_PREFIX) :], cfg.in_channels)
     if cfg.arch == "conv4":
         m = Conv4(cfg.in_channels, cfg.image_size)
         return m, m.out_dim
@@ -99,6 +119,8 @@ class SpatialNet(nn.Module):
         b = self.model.backbone
         if isinstance(b, Conv4):
             h = b.features[:-1](x)  # every layer but the last max-pool: (B, 64, h, w)
+        elif hasattr(b, "forward_features"):  # timm: the unpooled features, (B, C, h, w)
+            h = b.forward_features(x)
         else:  # torchvision ResNet: its forward up to (not including) the average pool
             h = b.maxpool(b.relu(b.bn1(b.conv1(x))))
             h = b.layer4(b.layer3(b.layer2(b.layer1(h))))  # (B, 512, h, w)

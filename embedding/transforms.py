@@ -56,11 +56,15 @@ class ToChannels:
         raise ValueError(f"cannot convert a {c}-channel image to {self.channels} channels")
 
 
+def _filter(cfg: ModelConfig) -> v2.InterpolationMode:
+    return v2.InterpolationMode(cfg.interpolation)
+
+
 def _resize_ops(cfg: ModelConfig) -> list:
     if cfg.image_size <= SMALL_IMAGE:
         return [v2.Resize((cfg.image_size, cfg.image_size), antialias=True)]
-    return [
-        v2.Resize(round(cfg.image_size / 0.875), antialias=True),
+    return [  # short side to size / crop_pct, then the centre crop (ImageNet's eval recipe)
+        v2.Resize(round(cfg.image_size / cfg.crop_pct), _filter(cfg), antialias=True),
         v2.CenterCrop(cfg.image_size),
     ]
 
@@ -115,7 +119,9 @@ def train_transform(cfg: ModelConfig) -> v2.Compose:
         ]
     else:
         geo = [
-            v2.RandomResizedCrop(cfg.image_size, scale=(0.2, 1.0), antialias=True),
+            v2.RandomResizedCrop(
+                cfg.image_size, scale=(0.2, 1.0), interpolation=_filter(cfg), antialias=True
+            ),
             v2.RandomHorizontalFlip(),
         ]
     return v2.Compose([ToChannels(cfg.in_channels), *geo, *_normalize_ops(cfg)])

@@ -9,7 +9,7 @@ per-channel mean and spread of each block's activations (Quintanilha et al. 2019
 
     for each block of the backbone: channel means and channel standard deviations of its output
     (conv4: 4 blocks x 64 channels x 2 = 512, after each block's ReLU; ResNet: layer1..4,
-    2 x (64+128+256+512) = 1,920),
+    2 x (64+128+256+512) = 1,920; a timm model: each map forward_intermediates returns),
     log of the projection's norm (1).
 
 `WorldFit` is a Gaussian over them fitted on training images (class-agnostic: the question is
@@ -82,6 +82,10 @@ class WorldStats(nn.Module):
                 # images of another look apart (digits: 87% flagged; after its pool, 58%)
                 parts.append(_moments(last))
             feat = torch.flatten(h, 1)
+        elif hasattr(b, "forward_intermediates"):  # a timm model: each stage's output map
+            last, maps = b.forward_intermediates(x)
+            parts += [_moments(h) for h in maps if h.ndim == 4]
+            feat = b.forward_head(last, pre_logits=True)  # its own pooling, (B, num_features)
         else:  # torchvision ResNet
             h = b.maxpool(b.relu(b.bn1(b.conv1(x))))
             for layer in (b.layer1, b.layer2, b.layer3, b.layer4):

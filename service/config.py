@@ -119,6 +119,14 @@ class Settings(BaseSettings):
         description="CPU: resident memory the fused copies may take together (conv4: ~8 MB "
         "each, ResNet-18: ~100 MB each, so sizes 1-4); sizes beyond it get none",
     )
+    warmup_seconds: float = Field(
+        30.0,
+        ge=0.0,
+        description="start-up: run one batch of every size 1..max_batch (smallest first) until "
+        "this many seconds are spent, so that the first batches of those sizes are neither slow "
+        "nor a step in memory (conv4: all 64 in ~1 s; ResNet-50 at 224 px on a small CPU: a "
+        "few sizes); later sizes build their kernels on first use",
+    )
     torch_threads: int = Field(
         0,
         ge=0,

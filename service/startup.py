@@ -188,6 +188,7 @@ def finish_service(
                 "space": ix.manifest.space,
                 "world_check": g.worlds.enabled,
                 "warmup_s": round(info.warmup_s, 2),
+                "warmed_batch_sizes": info.warmed_sizes,
                 "fused_batch_sizes": info.fused_sizes,
                 "torch_threads": info.torch_threads,
                 "seconds": round(time.perf_counter() - t0, 2),

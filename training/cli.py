@@ -112,14 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
     g.add_argument(
         "--arch",
-        choices=("conv4", "resnet18", "resnet34", "resnet50"),
-        help=f"backbone (default {d.arch})",
+        help=f"backbone: conv4, resnet18, resnet34, resnet50 or timm:NAME (any timm model; "
+        f"pip install 'snca[timm]'); --init timm:NAME sets it (default {d.arch})",
     )
     g.add_argument(
         "--imagenet-stem",
         dest="small_stem",
         action="store_false",
-        help="ResNets: keep the 7x7 stride-2 conv + max-pool stem (for large images)",
+        help="ResNets: torchvision's 7x7 stride-2 conv + max-pool stem, as ImageNet weights "
+        "have it (default for images over 64 px)",
+    )
+    g.add_argument(
+        "--small-stem",
+        dest="small_stem",
+        action="store_true",
+        help="ResNets: a 3x3 stride-1 first conv, no max-pool (default for images up to 64 px)",
     )
     g.add_argument("--embedding-dim", type=positive_int, help=f"d (default {d.embedding_dim})")
     g.add_argument("--temperature", type=float, help=f"σ (default {d.temperature})")

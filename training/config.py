@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from embedding.config import ARCHS, strict_from_dict
+from embedding.config import ARCHS, known_arch, strict_from_dict
 from embedding.datasets import DATASETS
 from embedding.device import DEVICES
 from embedding.errors import SNCAError
@@ -37,7 +37,9 @@ class TrainConfig:
     augment: bool = True
     # model
     arch: str = "conv4"
-    small_stem: bool = True
+    # ResNets: 3x3 stride-1 first conv, no max-pool (CIFAR style); None = by the image size
+    # (on up to 64 px; ImageNet's 7x7 stride-2 stem above, which --init ImageNet weights need)
+    small_stem: bool | None = None
     embedding_dim: int = 128
     temperature: float = 0.05
     # objective
@@ -80,8 +82,8 @@ class TrainConfig:
         p = []
         if self.dataset not in DATASETS:
             p.append(f"unknown dataset {self.dataset!r} (choose from {', '.join(DATASETS)})")
-        if self.arch not in ARCHS:
-            p.append(f"unknown arch {self.arch!r} (choose from {', '.join(ARCHS)})")
+        if not known_arch(self.arch):
+            p.append(f"unknown arch {self.arch!r} (choose from {', '.join(ARCHS)}, timm:NAME)")
         if self.loss not in LOSSES:
             p.append(f"unknown loss {self.loss!r} (choose from {', '.join(LOSSES)})")
         if self.lr_schedule not in LR_SCHEDULES:
@@ -141,6 +143,9 @@ class TrainConfig:
 
     def outlier_family_list(self) -> tuple[str, ...]:
         return tuple(f.strip() for f in str(self.outlier_families).split(",") if f.strip())
+
+    def resolved_small_stem(self, image_size: int) -> bool:
+        return self.small_stem if self.small_stem is not None else image_size <= 64
 
     def resolved_weight_decay(self, image_size: int) -> float:
         if self.weight_decay is not None:

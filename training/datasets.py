@@ -175,7 +175,7 @@ def build_data(cfg: TrainConfig, dist: DistEnv | None = None) -> Data:
         embedding_dim=cfg.embedding_dim,
         temperature=cfg.temperature,
         class_names=train.class_names,
-        small_stem=cfg.small_stem,
+        small_stem=cfg.resolved_small_stem(raw.image_size),
     )
     return Data(train, val, model_cfg)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from embedding.errors import SNCAError
 from embedding.model import Conv4, EmbeddingNet
 
 
@@ -15,6 +16,11 @@ def stages(model: EmbeddingNet) -> list[list[nn.Module]]:
     b = model.backbone
     if isinstance(b, Conv4):
         return [list(b.features[i : i + 4]) for i in range(0, len(b.features), 4)]
+    if not hasattr(b, "layer4"):  # a timm backbone: its stages are named per family
+        raise SNCAError(
+            f"--freeze-stages: {model.config.arch} has no stages this knows; use --backbone-lr "
+            "(0 holds the whole backbone) or --bn-frozen"
+        )
     return [[b.conv1, b.bn1], [b.layer1], [b.layer2], [b.layer3], [b.layer4]]
 
 
@@ -45,6 +51,8 @@ def param_groups(model: nn.Module, backbone: nn.Module, factor: float) -> list[d
 def hold_bn(model: EmbeddingNet, all_of_backbone: bool, frozen_stages: int) -> None:
     """After model.train(): BatchNorm layers whose statistics must not move go back to eval
     mode: every one of the backbone (`--bn-frozen`), or those of the frozen stages."""
+    if not all_of_backbone and not frozen_stages:
+        return
     mods = (
         list(model.backbone.modules())
         if all_of_backbone

@@ -337,7 +337,15 @@ class Trainer:
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True
 
+        loaded = None
+        if cfg.init:  # read first: the source's architecture and preprocessing are the run's
+            from .init import resolve
+
+            loaded = resolve(cfg.init)
+            self.cfg = cfg = loaded.train_config(cfg)
         self.data = data = build_data(cfg, dist)
+        if loaded is not None:
+            data.model_cfg = loaded.model_config(data.model_cfg)
         try:
             self.sampler = GlobalBatchSampler(
                 len(data.train), cfg.batch_size, dist.rank, dist.world_size, cfg.seed
@@ -354,10 +362,10 @@ class Trainer:
         )
         module = TrainModule(data.model_cfg, softmax=cfg.loss == "softmax")
         self.init = None  # the model card's record of --init
-        if cfg.init:
-            from .init import initialise
+        if loaded is not None:
+            from .init import apply
 
-            self.init = initialise(module.net, cfg.init)
+            self.init = apply(module.net, loaded)
             self.log(f"initialised from {cfg.init}: {self.init['embedding_layer']} embedding layer")
         self.module = module = module.to(device)
         if cfg.sync_bn and dist.enabled and device.type == "cuda":

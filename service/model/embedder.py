@@ -269,18 +269,27 @@ class Embedder:
         for b in [*sizes, *sizes]:
             self.embed(torch.zeros(b, c, s, s, dtype=torch.uint8))
 
-    def warmup_every_size(self, max_batch: int) -> float:
-        """One forward at every batch size 1..max_batch, at the serving thread count; returns
-        the seconds it took. oneDNN builds and caches kernels per input shape (and thread
-        count): conv4 takes ~0.3 MB of C heap per new batch size (measured, flat once all 64
-        were seen). Without this the first batch of each size arrives at a random time under
-        load, as an RSS step and a slow batch; with it, memory is flat from the start."""
+    def warmup_every_size(
+        self, max_batch: int, budget_s: float = float("inf")
+    ) -> tuple[float, int]:
+        """One forward at every batch size 1..max_batch, at the serving thread count, smallest
+        first, until `budget_s` seconds are spent; returns (seconds, largest size warmed).
+        oneDNN builds and caches kernels per input shape (and thread count): conv4 takes ~0.3 MB
+        of C heap per new batch size (measured, flat once all 64 were seen). Without this the
+        first batch of each size arrives at a random time under load, as an RSS step and a slow
+        batch; with it, memory is flat from the start. Every size costs that many images: all
+        64 are ~1 s for conv4 but ~60 s for ResNet-18 at 224 px on 2 cores, hence the budget
+        (the sizes past it build their kernels on first use)."""
         c, s = self.model.config.in_channels, self.model.config.image_size
         t0 = time.perf_counter()
         x = torch.zeros(max_batch, c, s, s, dtype=torch.uint8)
+        warmed = 0
         for b in range(1, max_batch + 1):
+            if warmed and time.perf_counter() - t0 > budget_s:
+                break
             self.embed(x[:b])
-        return time.perf_counter() - t0
+            warmed = b
+        return time.perf_counter() - t0, warmed
 
 
 def _best_time(module: torch.nn.Module, x: torch.Tensor, repeats: int = 5) -> float:

@@ -54,6 +54,7 @@ class ModelInfo:
     torch_threads: int
     fused_sizes: list[int]  # batch sizes served by a fused copy
     warmup_s: float
+    warmed_sizes: int  # batch sizes 1..this were run once at start (SNCA_WARMUP_SECONDS)
 
 
 class ModelRuntime:
@@ -91,8 +92,8 @@ class ModelRuntime:
         threads = s.torch_threads or self.auto_threads()
         torch.set_num_threads(threads)
         fused = e.fuse_small_batches(s.fused_batches, s.fused_memory_mb) if s.optimize else []
-        warm = e.warmup_every_size(s.max_batch)
-        return ModelInfo(str(e.device), e.mode, threads, fused, warm)
+        warm, sizes = e.warmup_every_size(s.max_batch, s.warmup_seconds)
+        return ModelInfo(str(e.device), e.mode, threads, fused, warm, sizes)
 
     def auto_threads(self) -> int:
         """Threads for the forward pass when SNCA_TORCH_THREADS is 0. The event loop needs

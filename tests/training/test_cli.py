@@ -30,8 +30,13 @@ def test_unknown_dataset_and_arch(tmp_path):
         run_cli("training", "--dataset", "mnist", "--out", tmp_path / "r"),
         "invalid choice: 'mnist'",
     )
-    _fails(
-        run_cli("training", "--arch", "vgg16", "--out", tmp_path / "r"), "invalid choice: 'vgg16'"
+    _fails(run_cli("training", "--arch", "vgg16", "--out", tmp_path / "r"), "unknown arch 'vgg16'")
+    _fails(  # a timm name timm does not know: said before any data is read
+        run_cli(
+            "training", "--arch", "timm:no_such_net", "--subset", "300", "--out", tmp_path / "r"
+        ),
+        "timm:no_such_net",
+        "Unknown model",
     )
 
 

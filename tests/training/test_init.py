@@ -229,3 +229,106 @@ def test_param_groups_put_the_trainable_backbone_at_its_factor():
     frozen = {id(p) for s in stages(model)[:2] for m in s for p in m.parameters()}
     assert not frozen & {id(p) for p in back["params"]}  # frozen ones are left out
     assert len(back["params"]) + len(frozen) == len(list(model.backbone.parameters()))
+
+
+# ---------------------------------------------------------------------------- timm
+def timm_resnet18():
+    """timm's resnet18 with random weights and BatchNorm statistics, as its Hugging Face file
+    holds them (the classifier `fc` included)."""
+    timm = pytest.importorskip("timm")  # the [timm] extra; `make test` installs it
+    torch.manual_seed(2)
+    net = timm.create_model("resnet18", pretrained=False)
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+    return net.eval()
+
+
+def test_timm_weights_by_name_load_through_timm_with_their_preprocessing(tmp_path, monkeypatch):
+    """timm:NAME:FILE and timm:NAME from the Hugging Face cache (offline; a missing file says
+    which repo and where): the same pooled features as the timm model written, the architecture
+    becomes timm:NAME and the pretrained config the preprocessing."""
+    from safetensors.torch import save_file
+
+    from training.init import resolve
+    from training.init.base import apply
+
+    net = timm_resnet18()
+    file = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, file)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = net.forward_head(net.forward_features(x), pre_logits=True)  # (2, 512)
+
+    loaded = resolve(f"timm:resnet18:{file}")
+    assert loaded.arch == "timm:resnet18" and loaded.kind == "timm"
+    pre = loaded.preprocessing
+    cfg = net.pretrained_cfg
+    assert pre["mean"] == pytest.approx(cfg["mean"]) and pre["image_size"] == 224
+    assert (pre["interpolation"], pre["crop_pct"]) == (cfg["interpolation"], cfg["crop_pct"])
+    mc = loaded.model_config(resnet18_config())
+    assert (mc.interpolation, mc.crop_pct) == (cfg["interpolation"], cfg["crop_pct"])
+    model = EmbeddingNet(ModelConfig(**{**mc.to_dict(), "arch": "timm:resnet18"}))
+    record = apply(model, loaded)
+    with torch.no_grad():
+        assert (model.eval().features(x) - want).abs().max().item() < 1e-5
+    assert record["sha256"].startswith("sha256:") and record["kind"] == "timm"
+
+    # from the Hugging Face cache, offline
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "hf"
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    with pytest.raises(SNCAError) as e:
+        resolve("timm:resnet18")
+    repo = cfg["hf_hub_id"]
+    assert repo in str(e.value) and str(cache) in str(e.value) and ":PATH" in str(e.value)
+    snap = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").write_bytes(file.read_bytes())
+    (cache / f"models--{repo.replace('/', '--')}" / "refs").mkdir()
+    (cache / f"models--{repo.replace('/', '--')}" / "refs" / "main").write_text("abc123")
+    model2 = EmbeddingNet(ModelConfig(**{**mc.to_dict(), "arch": "timm:resnet18"}))
+    apply(model2, resolve("timm:resnet18"))
+    with torch.no_grad():
+        assert (model2.eval().features(x) - want).abs().max().item() < 1e-5
+
+    # refused clearly: a model timm does not have, a file of another model
+    with pytest.raises(SNCAError, match="Unknown model"):
+        resolve("timm:no_such_net")
+    with pytest.raises(SNCAError, match="does not fit timm's resnet34"):
+        resolve(f"timm:resnet34:{file}")
+
+
+def test_snca_train_init_timm_writes_a_model_the_service_rebuilds(tmp_path):
+    """The CLI with --init timm:resnet18:FILE on a tiny colour ImageFolder: the card holds the
+    timm architecture, its crop and filter; load_model rebuilds it from the card."""
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from embedding.artifacts import load_model
+
+    net = timm_resnet18()
+    file = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, file)
+    r = torch.Generator().manual_seed(0)
+    for c, colour in (("red", 0), ("blue", 2)):
+        (tmp_path / "imgs" / c).mkdir(parents=True)
+        for i in range(8):
+            a = torch.randint(0, 90, (40, 60, 3), generator=r, dtype=torch.uint8)
+            a[..., colour] += 150
+            Image.fromarray(a.numpy()).save(tmp_path / "imgs" / c / f"{i}.png")
+    p = run_cli(
+        "training", "--dataset", "imagefolder", "--data-dir", tmp_path / "imgs",
+        "--image-size", "64", "--init", f"timm:resnet18:{file}", "--epochs", "1",
+        "--batch-size", "8", "--val-size", "0", "--no-progress", "--out", tmp_path / "run",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    card = json.loads((tmp_path / "run" / "model.json").read_text())
+    cfg = card["config"]
+    assert cfg["arch"] == "timm:resnet18" and cfg["image_size"] == 64  # the user's size wins
+    assert (cfg["interpolation"], cfg["crop_pct"]) == ("bicubic", 0.95)
+    assert card["training"]["init"]["kind"] == "timm"
+    model = load_model(tmp_path / "run")
+    assert model(torch.zeros(1, 3, 64, 64)).shape == (1, 128)

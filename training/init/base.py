@@ -3,12 +3,14 @@ mapped onto an EmbeddingNet (apply), with the model card's record."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from embedding.config import INTERPOLATIONS, ModelConfig
 from embedding.errors import SNCAError
 from embedding.model import EmbeddingNet
 
@@ -22,6 +24,34 @@ class Loaded:
     state: dict[str, torch.Tensor]  # torchvision-style (conv1.weight, ..., fc.weight) or ours
     file: Path | None = None  # the file they came from
     notes: list[str] = field(default_factory=list)
+    # The preprocessing the weights were trained with, where the source says: mean, std (and
+    # from timm: image_size, in_channels, interpolation, crop_pct). The new run keeps it, or
+    # its first layer would see other numbers than it learned on (timm's resolve_data_config).
+    preprocessing: dict | None = None
+    arch: str | None = None  # the architecture the weights need, where the source defines it
+
+    def train_config(self, cfg):
+        """The run's TrainConfig with what the source implies filled in where the user left it:
+        the architecture, an ImageFolder's image size and channels."""
+        pre, changes = self.preprocessing or {}, {}
+        if self.arch:
+            changes["arch"] = self.arch
+        if cfg.dataset == "imagefolder":
+            for key in ("image_size", "in_channels"):
+                if getattr(cfg, key) is None and key in pre:
+                    changes[key] = pre[key]
+        return dataclasses.replace(cfg, **changes) if changes else cfg
+
+    def model_config(self, cfg: ModelConfig) -> ModelConfig:
+        """`cfg` (from the dataset) with this source's normalisation (when it fits the
+        channels), resize filter and crop; the dataset's otherwise."""
+        pre = self.preprocessing or {}
+        changes = {k: pre[k] for k in ("interpolation", "crop_pct") if k in pre}
+        if changes.get("interpolation") not in INTERPOLATIONS:
+            changes.pop("interpolation", None)  # a filter torchvision lacks: bilinear
+        if len(pre.get("mean", ())) == cfg.in_channels:
+            changes.update(mean=tuple(pre["mean"]), std=tuple(pre["std"]))
+        return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def sha256_of(path: Path) -> str:
@@ -61,9 +91,12 @@ def _load_strict(module: torch.nn.Module, state: dict, what: str, spec: str) -> 
         parts = [f"missing keys: {few(missing)}"] if missing else []
         parts += [f"unexpected keys: {few(unexpected)}"] if unexpected else []
         parts += [f"other shapes: {few(shapes)}"] if shapes else []
+        hint = "pick a source of the same --arch (and --in-channels)"
+        if any(k.startswith("conv1.") for k in shapes) or "maxpool" in " ".join(missing):
+            hint += "; its first conv is another stem: --imagenet-stem (7x7) or --small-stem (3x3)"
         raise SNCAError(
             f"--init {spec}: its {what} does not fit this model's architecture "
-            f"({'; '.join(parts)}); pick a source of the same --arch (and --in-channels)"
+            f"({'; '.join(parts)}); {hint}"
         )
     module.load_state_dict(state)
 
@@ -99,6 +132,8 @@ def apply(model: EmbeddingNet, loaded: Loaded) -> dict:
     if loaded.file is not None:
         record["file"] = str(loaded.file)
         record["sha256"] = sha256_of(loaded.file)
+    if loaded.preprocessing:
+        record["preprocessing"] = loaded.preprocessing
     if loaded.notes:
         record["notes"] = loaded.notes
     return record

@@ -43,4 +43,6 @@ class TorchvisionWeights:
             )
         loaded = CheckpointFile.load(str(file), kind="torchvision")
         loaded.spec = spec
+        tf = weights.transforms()  # ImageClassification: the weights' own mean/std
+        loaded.preprocessing = {"mean": list(tf.mean), "std": list(tf.std)}
         return loaded
