@@ -59,24 +59,27 @@ def photo_folder(root: Path, per_class: int = 16) -> Path:
     return root
 
 
-def query_photo() -> bytes:
-    """A 640x480 JPEG photograph (scikit-image's astronaut), the photo models' query."""
+def query_photo(size: tuple[int, int] = (640, 480)) -> bytes:
+    """A JPEG photograph (scikit-image's astronaut) at `size`, the photo models' query."""
     import skimage.data
     from PIL import Image
 
     b = io.BytesIO()
-    Image.fromarray(skimage.data.astronaut()).resize((640, 480)).save(b, "JPEG", quality=90)
+    Image.fromarray(skimage.data.astronaut()).resize(size).save(b, "JPEG", quality=90)
     return b.getvalue()
 
 
-def prepare() -> None:
-    """Tiny training runs (1 epoch) with their exact indexes: throughput does not need accuracy."""
+def prepare(names: list[str]) -> None:
+    """Tiny training runs (1 epoch) of the bench models `names` with their exact indexes:
+    throughput does not need accuracy."""
     photos = ROOT / "runs" / "bench-photos"
     extra = {
         "resnet50-224": ["--dataset", "imagefolder", "--data-dir", str(photos), "--image-size",
                          "224", "--batch-size", "16"],
     }  # fmt: skip
     for arch, out in {**RUNS, **PHOTO_RUNS}.items():
+        if arch not in names:
+            continue
         if arch in extra and not photos.is_dir():
             photo_folder(photos)
         args = extra.get(arch, ["--subset", "6000"])
@@ -680,10 +683,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--query",
-        choices=("fashion", "photo"),
+        choices=("fashion", "photo", "phone"),
         default="fashion",
-        help="the request image: a 28x28 Fashion-MNIST PNG, or a 640x480 JPEG photograph "
-        "(for the photo models, e.g. --models resnet50-224)",
+        help="the request image: a 28x28 Fashion-MNIST PNG, a 640x480 JPEG photograph or a "
+        "12-megapixel (4032x3024) one as phones take them (for the photo models, e.g. "
+        "--models resnet50-224)",
     )
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
@@ -703,8 +707,10 @@ def main() -> None:
     if any(r <= 0 for r in rates):
         ap.error("--rates must be positive")
     if a.prepare:
-        prepare()
-    png = query_photo() if a.query == "photo" else query_png()
+        prepare(a.models.split(","))
+    png = {"photo": query_photo, "phone": lambda: query_photo((4032, 3024))}.get(
+        a.query, query_png
+    )()
     try:
         levels = [int(x) for x in a.levels.split(",")]
     except ValueError:
@@ -716,7 +722,7 @@ def main() -> None:
     for arch in a.models.split(","):
         # a bench model's name, or any run dir with an index
         run = {**RUNS, **PHOTO_RUNS}.get(arch, Path(arch))
-        bare = bare_limit(run, png, batch=max(max_batches), photo=a.query == "photo")
+        bare = bare_limit(run, png, batch=max(max_batches), photo=a.query != "fashion")
         results[arch] = {"bare": bare}
         print(
             f"{arch}: bare limit {bare['images_per_s']:.0f} img/s (batch {bare['batch']}), "

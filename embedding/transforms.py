@@ -56,6 +56,11 @@ class ToChannels:
         raise ValueError(f"cannot convert a {c}-channel image to {self.channels} channels")
 
 
+def resize_side(cfg: ModelConfig) -> int:
+    """The short side an image is resized to before the eval transform's crop."""
+    return cfg.image_size if cfg.image_size <= SMALL_IMAGE else round(cfg.image_size / cfg.crop_pct)
+
+
 def _filter(cfg: ModelConfig) -> v2.InterpolationMode:
     return v2.InterpolationMode(cfg.interpolation)
 
@@ -64,7 +69,7 @@ def _resize_ops(cfg: ModelConfig) -> list:
     if cfg.image_size <= SMALL_IMAGE:
         return [v2.Resize((cfg.image_size, cfg.image_size), antialias=True)]
     return [  # short side to size / crop_pct, then the centre crop (ImageNet's eval recipe)
-        v2.Resize(round(cfg.image_size / cfg.crop_pct), _filter(cfg), antialias=True),
+        v2.Resize(resize_side(cfg), _filter(cfg), antialias=True),
         v2.CenterCrop(cfg.image_size),
     ]
 

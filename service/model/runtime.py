@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from starlette.concurrency import run_in_threadpool
+from threadpoolctl import ThreadpoolController
 
 from embedding.device import resolve_device
 from embedding.sysalloc import release_free_memory
@@ -26,6 +27,9 @@ from service.model.embedder import Embedder, ImageError, load_image, open_image
 INLINE_PIXELS = 96 * 96
 # Requests decoding large images at the same time: bounds the decoded pixels in memory.
 DECODE_SLOTS = 2
+# A request that decoded more pixels than this gives the freed memory back to the OS after it
+# (a 6000 x 6000 PNG is 108 MB decoded); smaller ones leave the heap as it is.
+TRIM_AFTER_PIXELS = 4_000_000
 # A model slower than this per image (on one thread) gets every core; see auto_threads.
 HEAVY_MODEL_MS = 2.0
 
@@ -85,6 +89,13 @@ class ModelRuntime:
     def _prepare_model(self) -> ModelInfo:
         """On the model thread, which runs every forward."""
         s, e = self.settings, self.embedder
+        # numpy's OpenBLAS (pthreads build: the world check's matmuls, a few us) keeps its
+        # worker threads spinning after each call, which took a core from the next forward:
+        # ResNet-50 at 224 px classified a photo in 87 ms instead of 55 (its forward 82 instead
+        # of 46). FAISS's OpenBLAS (an OpenMP build, which sleeps) was not the cause: untouched.
+        ThreadpoolController().select(internal_api="openblas", threading_layer="pthreads").limit(
+            limits=1
+        )
         torch.set_num_threads(1)
         if s.optimize:
             e.optimize()
@@ -124,7 +135,7 @@ class ModelRuntime:
         return self._finish(open_image(data, self.settings.max_image_pixels, name), data, name)
 
     def _finish(self, img, data: bytes, name: str, thumbnail: bool = False) -> Prepared:
-        img, mime = load_image(img, name)
+        img, mime = load_image(img, name, self.embedder.decode_side)
         thumb = make_thumbnail(img, self.settings.thumbnail_side) if thumbnail else None
         return Prepared(self.embedder.pixels(img), data, mime, thumb)
 
@@ -154,18 +165,25 @@ class ModelRuntime:
         return await run_in_threadpool(self._decode_large, imgs, datas, names, thumbnails)
 
     def _decode_large(self, imgs: list, datas, names, thumbnails: bool) -> list[Prepared]:
-        out = []
+        out, decoded = [], 0
         with self._decode_slots:
             try:
                 for i in range(len(imgs)):
                     out.append(self._finish(imgs[i], datas[i], names[i], thumbnails))
+                    decoded += imgs[i].size[0] * imgs[i].size[1]  # as decoded (JPEG: reduced)
                     imgs[i].close()
                     imgs[i] = None  # its decoded pixels go now, not with the whole request
             finally:
                 for img in imgs:
                     if img is not None:
                         img.close()
-                release_free_memory()  # back to the OS, not kept for the next request
+                if decoded > TRIM_AFTER_PIXELS or any(img is not None for img in imgs):
+                    # back to the OS, not kept for the next request. Only after large images:
+                    # malloc_trim also returns the model's freed activation buffers (the heap
+                    # keeps them, embedding/sysalloc.py), which the next forward then faults
+                    # in again: trimming after every photo made ResNet-50's forward at 224 px
+                    # 75 instead of 45 ms (docs/PERFORMANCE.md)
+                    release_free_memory()
         return out
 
     def embed_stored(self, images: list[bytes]):
