@@ -235,7 +235,8 @@ def test_param_groups_put_the_trainable_backbone_at_its_factor():
 def timm_resnet18():
     """timm's resnet18 with random weights and BatchNorm statistics, as its Hugging Face file
     holds them (the classifier `fc` included)."""
-    timm = pytest.importorskip("timm")  # the [timm] extra; `make test` installs it
+    import timm  # the [timm] extra, in `dev` too: `make test` installs it (no skip)
+
     torch.manual_seed(2)
     net = timm.create_model("resnet18", pretrained=False)
     with torch.no_grad():
