@@ -139,7 +139,14 @@ def main() -> None:
     if a.rate <= 0 or a.seconds <= 0 or a.max_batch < 1:
         ap.error("--rate and --seconds must be positive, --max-batch at least 1")
     run = RUNS.get(a.model, Path(a.model))
-    proc = serve(run, a.port, a.max_batch, run / "bench-trace", python_args=("-c", STUB))
+    proc = serve(
+        run,
+        a.port,
+        a.max_batch,
+        run / "bench-trace",
+        python_args=("-c", STUB),
+        extra=("--no-model-process",),
+    )
     url = f"http://127.0.0.1:{a.port}/_trace"
     out = {"model": str(a.model), "rate": a.rate, "max_batch": a.max_batch}
     try:

@@ -166,7 +166,14 @@ def main() -> None:
     answers, errors = [], 0
     with mp.get_context("spawn").Pool(1) as pool:
         for name, args in (("model thread ", ("-m", "service")), ("model process", ("-c", code))):
-            proc = serve(run, a.port, 64, run / "bench-model-process", python_args=args)
+            proc = serve(
+                run,
+                a.port,
+                64,
+                run / "bench-model-process",
+                python_args=args,
+                extra=("--no-model-process",),
+            )
             try:
                 answer, n = measure(name, proc, a.port, a, pool)
             finally:

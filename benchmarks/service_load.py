@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import multiprocessing as mp
@@ -314,20 +315,42 @@ def _cpu_since(t0: os.times_result, requests: int) -> float:
     return ((t.user - t0.user) + (t.system - t0.system)) / max(requests, 1) * 1e6
 
 
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (a worker's model process), from /proc; [] elsewhere."""
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                out += [
+                    int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+                ]
+    except OSError:
+        pass
+    return out
+
+
+def _thread_cpu(pid: int, out: dict, main_key: str, other_key: str) -> None:
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        key = main_key if int(tid) == pid else other_key
+        out[key] = out.get(key, 0.0) + cpu
+
+
 def server_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far of the server's event-loop thread (the main thread) and of all its
-    other threads (the model thread, the decode thread pool), from /proc; {} elsewhere."""
+    """CPU seconds so far of the server's event-loop thread (the main thread), of all its
+    other threads (the model thread, the decode thread pool) and of its model process (all
+    its threads; absent with --no-model-process), from /proc; {} elsewhere."""
     out = {"event_loop": 0.0, "other_threads": 0.0}
     try:
-        tick = os.sysconf("SC_CLK_TCK")
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            except OSError:  # the thread ended meanwhile
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-            out["event_loop" if int(tid) == pid else "other_threads"] += cpu
+        _thread_cpu(pid, out, "event_loop", "other_threads")
+        for child in children(pid):
+            _thread_cpu(child, out, "model_process", "model_process")
     except (OSError, ValueError):
         return {}
     return out
@@ -339,15 +362,20 @@ def _server_cpu_us(before: dict, after: dict, requests: int) -> dict[str, float]
 
 
 def server_memory(pid: int) -> dict[str, float]:
-    """The server process's resident memory now and at its peak (VmRSS, VmHWM), in MB."""
-    out = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key = {"VmRSS:": "rss", "VmHWM:": "peak"}.get(line.split()[0] if line else "")
-            if key:
-                out[key] = int(line.split()[1]) / 1024
-    except OSError:
-        pass
+    """The server's resident memory now and at its peak (VmRSS, VmHWM), in MB: its process
+    and its model process together, and each (front, model_process)."""
+    out: dict[str, float] = {}
+    for who, p in [("front", pid)] + [("model_process", c) for c in children(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                key = {"VmRSS:": "rss", "VmHWM:": "peak"}.get(line.split()[0] if line else "")
+                if key:
+                    mb = int(line.split()[1]) / 1024
+                    out[key] = out.get(key, 0.0) + mb
+                    if key == "rss":
+                        out[f"rss_{who}"] = mb
+        except OSError:
+            pass
     return out
 
 
@@ -537,10 +565,15 @@ def query_png() -> bytes:
 
 
 def serve(
-    run: Path, port: int, max_batch: int, data_dir: Path, python_args=("-m", "service")
+    run: Path,
+    port: int,
+    max_batch: int,
+    data_dir: Path,
+    python_args=("-m", "service"),
+    extra=(),
 ) -> subprocess.Popen:
     """A server process (`python -m service` unless `python_args` says otherwise, with
-    snca-serve's flags) on loopback, once /readyz answers 200."""
+    snca-serve's flags and `extra` ones) on loopback, once /readyz answers 200."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen(
         [
@@ -556,6 +589,7 @@ def serve(
             str(max_batch),
             "--log-level",
             "warning",
+            *extra,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -825,7 +859,13 @@ def main() -> None:
                 f"({100 * summary['service_over_bare']:.0f}% of bare); p99 at half saturation "
                 f"({half['offered_rps']:.0f}/s offered, open loop) {half['p99_ms']:.1f} ms = {summary['half_saturation']['p99_over_single']:.1f}x "
                 f"the single-request latency {single:.1f} ms; {_cpu_text(half)}; server RSS "
-                f"{mem.get('rss', 0):.0f} MB (peak {mem.get('peak', 0):.0f} MB)",
+                f"{mem.get('rss', 0):.0f} MB (peak {mem.get('peak', 0):.0f} MB"
+                + (
+                    f"; front {mem['rss_front']:.0f} + model process "
+                    f"{mem['rss_model_process']:.0f} MB)"
+                    if "rss_model_process" in mem
+                    else ")"
+                ),
                 flush=True,
             )
     if a.json:

@@ -8,6 +8,8 @@ default, which no training or index build touches. Started on a store made under
 (a retrain), the service first carries every added item to the new model by re-embedding its
 stored image; /readyz reports the progress.
 
+Each worker is two processes: the front (HTTP, decoding, JSON) and a model process (the model,
+a gallery replica, the vote); `--no-model-process` keeps the model on a thread of one process.
 Several processes share one gallery: `--workers N` runs N on this port (one SQLite store);
 `--store postgresql://USER@HOST:PORT/DB` makes replicas on several hosts share one database.
 A read with the header `X-Min-Gallery-Version: N` waits until write N is applied here.
@@ -49,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         help="serving processes on this port sharing the gallery store (1); torch threads are "
         "split between them",
+    )
+    p.add_argument(
+        "--model-process",
+        action=argparse.BooleanOptionalAction,
+        help="run the model, the vote and a gallery replica in a process of their own beside "
+        "each worker's event loop (the default); --no-model-process: one process, the model on "
+        "a thread (less memory, lower throughput)",
     )
     p.add_argument(
         "--data-dir",
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     from service.http.logs import setup_logging
 
     setup_logging(settings.log_level)
-    host = ServiceHost(settings)
+    host = ServiceHost(settings, model="process" if settings.model_process else "thread")
     try:
         opening = host.open()  # load and check everything before binding the port
         print(f"snca-serve: gallery data dir {opening.data.path.resolve()}", flush=True)
@@ -150,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"copied to {opening.data.store} (the old file is left as it was)",
                 flush=True,
             )
-        if opening.plan is None:
+        if opening.migrating is None:
             host.finish()
     except (SNCAError, OSError, ValueError, RuntimeError) as e:
         host.stop()
@@ -164,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     # walking them on every cycle (they showed up as latency spikes under load).
     gc.collect()
     gc.freeze()
-    if opening.plan is not None:
-        print(f"snca-serve: {opening.plan.describe()}; /readyz reports the progress", flush=True)
+    if opening.migrating is not None:
+        print(f"snca-serve: {opening.migrating}; /readyz reports the progress", flush=True)
         host.on_failure = lambda: os.kill(os.getpid(), signal.SIGTERM)
         what = "migrating the gallery"
     else:

@@ -203,6 +203,12 @@ class Settings(BaseSettings):
         description="GET /gallery/diagnostics calls that may wait for one of those; more are "
         "answered 429 too_busy at once",
     )
+    model_process: bool = Field(
+        True,
+        description="each worker runs its model, vote and gallery replica in a process of its "
+        "own beside the event loop's (docs/PERFORMANCE.md); off: one process, the model on a "
+        "thread (less memory, lower throughput)",
+    )
     workers: int = Field(
         1,
         ge=1,

@@ -55,6 +55,14 @@ class Opening:
     plan: Plan | None
     adopted: Path | None  # a store found at the old default place and copied into the data dir
     world: WorldFit | None = None  # the world check's Gaussian (None: no world check)
+    # the model process carries the gallery to this model (its plan, described); the front
+    # plans none itself
+    carried_elsewhere: str | None = None
+
+    @property
+    def migrating(self) -> str | None:
+        """What start-up carries first (None: nothing): the data dir's store to this model."""
+        return self.plan.describe() if self.plan is not None else self.carried_elsewhere
 
 
 def load_world(settings: Settings, ix: IndexDir, fingerprint: str) -> WorldFit | None:
@@ -73,13 +81,26 @@ def load_world(settings: Settings, ix: IndexDir, fingerprint: str) -> WorldFit |
     return load_world_fit(path, fingerprint)
 
 
-def open_service(settings: Settings, metrics: Metrics) -> Opening:
+# where the model runs (ServiceHost's `model`): "thread": a model thread of this process;
+# "process": a model process of its own (service/model/remote.py), this process is the front;
+# "inline": this process's main thread (it is that model process, service/model_process.py)
+MODEL_PLACES = ("thread", "process", "inline")
+
+
+def open_service(settings: Settings, metrics: Metrics, model_place: str = "thread") -> Opening:
+    if model_place == "process":
+        return _open_front(settings, metrics)
     model = RunDir(settings.model).load_model()
     ix = open_index_dir(settings.index, expected_fingerprint=model.fingerprint)
     space = ix.manifest.space  # queries are embedded in the space the index was built in
     world = load_world(settings, ix, model.fingerprint)
-    runtime = ModelRuntime.start(
-        settings, model, space, _batch_metrics(metrics), world=world is not None
+    runtime = ModelRuntime.load(
+        settings,
+        model,
+        space,
+        _batch_metrics(metrics),
+        world=world is not None,
+        inline=model_place == "inline",
     )
     try:
         if runtime.embedder.dim != ix.dim:
@@ -114,6 +135,34 @@ def open_service(settings: Settings, metrics: Metrics) -> Opening:
     )
 
 
+def _open_front(settings: Settings, metrics: Metrics) -> Opening:
+    """The front of a worker: the model process opens the model and the data dir (and carries
+    the gallery to this model when it must); this process then opens the same index."""
+    from service.model.remote import RemoteRuntime
+
+    runtime = RemoteRuntime(settings, _batch_metrics(metrics))
+    try:
+        o = runtime.opened
+        ix = open_index_dir(settings.index, expected_fingerprint=o["fingerprint"])
+        world = load_world(settings, ix, o["fingerprint"])
+        data = DataDir(settings.data_dir, settings.store_path)
+        adopted = Path(o["adopted"]) if o["adopted"] else None
+    except BaseException:
+        runtime.close()
+        raise
+    return Opening(
+        runtime,
+        ix,
+        o["fingerprint"],
+        o["temperature"],
+        data,
+        None,
+        adopted,
+        world,
+        carried_elsewhere=o["migrating"],
+    )
+
+
 def _batch_metrics(metrics: Metrics) -> Callable[[int, float], None]:
     def on_batch(size: int, waited: float) -> None:
         metrics.batch_size.observe(size)
@@ -128,6 +177,7 @@ def finish_service(
     metrics: Metrics,
     progress: Callable[[int, int], None] | None = None,
     status: Callable[[str], None] | None = None,
+    ready_message: str = "ready",
 ) -> ServiceState:
     """Carry the gallery if the plan says so, then load it; the ready ServiceState."""
     t0 = time.perf_counter()
@@ -151,11 +201,7 @@ def finish_service(
         )
         g.load_items(loaded.items)
         g.version = loaded.version
-        # The first classify builds the gallery's vote caches and compiles the kde vote
-        # (measured 16.5 ms against 2.8 ms after, 55,000 items): done here, not on a request.
-        q = np.eye(1, ix.dim, dtype=np.float32)
-        o.runtime.batcher.call(lambda: g.classify(q, settings.vote, settings.k))
-        o.runtime.serve(g)
+        o.runtime.serve(g, settings.vote, settings.k)
     except BaseException:
         store.close()
         raise
@@ -171,7 +217,7 @@ def finish_service(
     )
     info = o.runtime.info
     log.info(
-        "ready",
+        ready_message,
         extra={
             "fields": {
                 "model": str(settings.model),
@@ -191,6 +237,7 @@ def finish_service(
                 "warmed_batch_sizes": info.warmed_sizes,
                 "fused_batch_sizes": info.fused_sizes,
                 "torch_threads": info.torch_threads,
+                "model_pid": o.runtime.pid(),
                 "seconds": round(time.perf_counter() - t0, 2),
             }
         },
@@ -283,9 +330,17 @@ class ServiceHost:
     """What the app holds: settings and metrics from the start, the ServiceState once built,
     and meanwhile the start-up phase (/readyz reports it)."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None):
+    def __init__(self, settings: Settings, metrics: Metrics | None = None, model: str = "thread"):
+        """`model`: where the model runs, one of MODEL_PLACES (snca-serve: "process" unless
+        SNCA_MODEL_PROCESS=0; tools and tests that embed in-process: "thread")."""
+        if model not in MODEL_PLACES:
+            raise ValueError(f"model {model!r}: one of {', '.join(MODEL_PLACES)}")
         self.settings = settings
+        self.model_place = model
         self.metrics = metrics or Metrics()
+        # the model process relays its start-up to the front (service/model_process.py)
+        self.on_progress: Callable[[int, int], None] | None = None
+        self.on_waiting: Callable[[str], None] | None = None
         self.opening: Opening | None = None
         self.state: ServiceState | None = None
         self.phase = "starting"  # starting | migrating | ready | failed | stopping
@@ -301,7 +356,7 @@ class ServiceHost:
 
     def open(self) -> Opening:
         if self.opening is None:
-            self.opening = open_service(self.settings, self.metrics)
+            self.opening = open_service(self.settings, self.metrics, self.model_place)
         return self.opening
 
     def finish(self) -> ServiceState:
@@ -309,8 +364,14 @@ class ServiceHost:
         if o.plan is not None:
             self.phase = "migrating"
             self.progress = (0, o.plan.total)
+        elif o.carried_elsewhere is not None:
+            self.phase = "migrating"  # in the model process: it reports the progress
+        message = "model process ready" if self.model_place == "inline" else "ready"
         try:
-            self.state = finish_service(o, self.settings, self.metrics, self._report, self._waiting)
+            o.runtime.wait_ready(self._report, self._waiting)
+            self.state = finish_service(
+                o, self.settings, self.metrics, self._report, self._waiting, message
+            )
         except BaseException:
             o.runtime.close()
             raise
@@ -336,9 +397,13 @@ class ServiceHost:
 
     def _report(self, done: int, total: int) -> None:
         self.progress = (done, total)
+        if self.on_progress is not None:
+            self.on_progress(done, total)
 
     def _waiting(self, why: str) -> None:
         self.waiting = why
+        if self.on_waiting is not None:
+            self.on_waiting(why)
 
     def status(self) -> str:
         """One line for /readyz and the 503s of the other routes while not ready."""

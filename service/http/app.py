@@ -24,6 +24,7 @@ from service.http.logs import request_id, setup_logging
 from service.http.problems import Problem
 from service.http.routes import classify, gallery, ops, page, search
 from service.model.embedder import ImageError
+from service.model.remote import ModelUnavailable
 from service.startup import ServiceHost
 from service.store import StoreUnavailable
 
@@ -251,16 +252,17 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
     port) is used as it is; if its gallery must first be carried to a new model, that runs in
     the background while /readyz reports its progress."""
     if host is None:
-        host = ServiceHost(settings or Settings())
+        settings = settings or Settings()
+        host = ServiceHost(settings, model="process" if settings.model_process else "thread")
     settings = host.settings
     setup_logging(settings.log_level)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         opening = await run_in_threadpool(host.open)
-        opening.runtime.batcher.start()  # results go to this event loop
+        opening.runtime.start()  # results go to this event loop
         if host.state is None:
-            if opening.plan is None:
+            if opening.migrating is None:
                 await run_in_threadpool(host.finish)
             else:
                 host.finish_in_background()
@@ -268,7 +270,7 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
             yield
         finally:
             host.phase = "stopping"  # /readyz fails first: load balancers stop sending
-            await opening.runtime.batcher.stop()  # in-flight batches finish
+            await opening.runtime.stop()  # in-flight batches finish
             host.stop()
 
     kw = {}
@@ -303,6 +305,11 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
     @app.exception_handler(ImageError)
     async def _image_error(request: Request, e: ImageError):
         return problems.response(e.status, e.code, e.message)
+
+    @app.exception_handler(ModelUnavailable)
+    async def _model_down(request: Request, e: ModelUnavailable):
+        detail = f"{e}; retry shortly (nothing was changed)"
+        return problems.response(503, "model_unavailable", detail, {"Retry-After": "1"})
 
     @app.exception_handler(StoreUnavailable)
     async def _store_error(request: Request, e: StoreUnavailable):

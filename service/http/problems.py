@@ -49,6 +49,8 @@ CODES = {
     "method_not_allowed": "the route does not take this method",
     "request_timeout": "the request's headers or body arrived too slowly",
     "not_ready": "starting, migrating the gallery, or stopping",
+    "model_unavailable": "the worker's model process stopped and a new one is starting (the "
+    "request was not answered and changed nothing); retry after Retry-After",
     "store_unavailable": "the gallery store cannot be reached or written (or was carried to a "
     "new model by another process); nothing was changed",
     "version_not_applied": "this replica has not applied the X-Min-Gallery-Version write within "

@@ -149,3 +149,21 @@ class MicroBatcher:
                 fut.set_exception(r)
             else:
                 fut.set_result(r)
+
+
+class InlineCalls:
+    """The batcher's `call` for a process whose own thread runs the model (the model process,
+    service/model_process.py): `call(fn)` runs `fn` at once on the caller's thread, so the
+    torch threads set there are the ones the batches run with."""
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

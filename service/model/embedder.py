@@ -126,7 +126,60 @@ def load_image(
     return img, FORMATS[fmt]
 
 
-class Embedder:
+class Preprocessing:
+    """What turns an upload into model input and model output into rows, from the model card
+    alone (no weights): the front process of a worker (service/model/remote.py) has this and
+    no model."""
+
+    def __init__(self, config, dim: int, world_dim: int = 0):
+        self.config = config  # ModelConfig
+        self.geometry = eval_geometry(config)
+        # JPEGs decode at a reduced scale while both sides stay >= twice the resize target:
+        # the antialiased resize that follows then sees >= 2x its output, as from a full decode
+        # (embeddings within 1e-3 of the full decode's, tests/service/test_embedder.py)
+        self.decode_side = 2 * resize_side(config)
+        self.dim = dim
+        self.world_dim = world_dim  # statistics after the vector in each row (0: none)
+
+    def preprocess(self, img: Image.Image) -> torch.Tensor:
+        """PIL image -> uint8 (C, H, W) at the model's size; `embed` normalises the batch."""
+        try:
+            return self.geometry(img)
+        except (OSError, ValueError) as e:
+            raise ImageError(400, f"image cannot be converted: {e}") from None
+
+    def pixels(self, img: Image.Image) -> np.ndarray:
+        """`preprocess` as a C-contiguous uint8 numpy array (C, H, W): what the service queues.
+        A greyscale image already at the model's size (Fashion-MNIST's 28x28) is read with
+        one copy of its bytes, the same values as `preprocess` gives: numpy's and torch's own
+        conversions each release and retake the GIL, which on a busy server means waiting
+        for the other thread each time (docs/PERFORMANCE.md)."""
+        size = self.config.image_size
+        if img.mode == "L" and self.config.in_channels == 1 and img.size == (size, size):
+            try:
+                data = img.tobytes()
+            except (OSError, ValueError) as e:
+                raise ImageError(400, f"image cannot be converted: {e}") from None
+            return np.frombuffer(data, dtype=np.uint8).reshape(1, size, size)
+        return np.ascontiguousarray(self.preprocess(img).numpy())
+
+    @property
+    def pixel_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of `pixels`."""
+        return (self.config.in_channels, self.config.image_size, self.config.image_size)
+
+    def split(self, rows):
+        """Forward rows (n, dim [+ world_dim]) -> (vectors (n, dim), statistics (n, D) or
+        None), numpy or torch as given; the vectors contiguous."""
+        if not self.world_dim:
+            return rows, None
+        v, s = rows[:, : self.dim], rows[:, self.dim :]
+        if isinstance(rows, torch.Tensor):
+            return v.contiguous(), s.numpy()
+        return np.ascontiguousarray(v), np.ascontiguousarray(s)
+
+
+class Embedder(Preprocessing):
     """The model in eval mode with its eval transform (both from the model card)."""
 
     def __init__(
@@ -143,21 +196,16 @@ class Embedder:
             self.model = in_space(model.to(device).eval(), space).eval()  # embedding.model
         except ValueError as e:
             raise ArtifactError(str(e)) from None
-        self.world_dim = 0
+        world_dim = 0
         if world:
             from embedding.world import WorldNet, stats_dim
 
-            self.world_dim = stats_dim(model)
+            world_dim = stats_dim(model)
             self.model = WorldNet(model, space).eval()
+        super().__init__(model.config, space_dim(model, space), world_dim)
         self.space = space
         self.device = device
         self.amp = amp
-        self.geometry = eval_geometry(model.config)
-        # JPEGs decode at a reduced scale while both sides stay >= twice the resize target:
-        # the antialiased resize that follows then sees >= 2x its output, as from a full decode
-        # (embeddings within 1e-3 of the full decode's, tests/service/test_embedder.py)
-        self.decode_side = 2 * resize_side(model.config)
-        self.dim = space_dim(model, space)
         # uint8 batch -> vectors, normalisation included (what embed() calls; see optimize())
         self.u8 = NormalizedInput(self.model, self.model.config)
         self.runner: torch.nn.Module = self.u8
@@ -200,28 +248,6 @@ class Embedder:
             self.by_size[b] = fused
         return sorted(self.by_size)
 
-    def preprocess(self, img: Image.Image) -> torch.Tensor:
-        """PIL image -> uint8 (C, H, W) at the model's size; `embed` normalises the batch."""
-        try:
-            return self.geometry(img)
-        except (OSError, ValueError) as e:
-            raise ImageError(400, f"image cannot be converted: {e}") from None
-
-    def pixels(self, img: Image.Image) -> np.ndarray:
-        """`preprocess` as a C-contiguous uint8 numpy array (C, H, W): what the service queues.
-        A greyscale image already at the model's size (Fashion-MNIST's 28x28) is read with
-        one copy of its bytes, the same values as `preprocess` gives: numpy's and torch's own
-        conversions each release and retake the GIL, which on a busy server means waiting
-        for the other thread each time (docs/PERFORMANCE.md)."""
-        size = self.model.config.image_size
-        if img.mode == "L" and self.model.config.in_channels == 1 and img.size == (size, size):
-            try:
-                data = img.tobytes()
-            except (OSError, ValueError) as e:
-                raise ImageError(400, f"image cannot be converted: {e}") from None
-            return np.frombuffer(data, dtype=np.uint8).reshape(1, size, size)
-        return np.ascontiguousarray(self.preprocess(img).numpy())
-
     def stack_pixels(self, pixels: list[np.ndarray]) -> torch.Tensor:
         """`pixels` arrays -> one uint8 (B, C, H, W) tensor, by plain byte copies into an input
         tensor kept per batch size: no torch or numpy call, each of which would release the
@@ -238,16 +264,6 @@ class Embedder:
         for i, p in enumerate(pixels):
             flat[i * n : (i + 1) * n] = memoryview(p).cast("B")
         return t
-
-    def split(self, rows):
-        """Forward rows (n, dim [+ world_dim]) -> (vectors (n, dim), statistics (n, D) or
-        None), numpy or torch as given; the vectors contiguous."""
-        if not self.world_dim:
-            return rows, None
-        v, s = rows[:, : self.dim], rows[:, self.dim :]
-        if isinstance(rows, torch.Tensor):
-            return v.contiguous(), s.numpy()
-        return np.ascontiguousarray(v), np.ascontiguousarray(s)
 
     def embed(self, batch: torch.Tensor) -> np.ndarray:
         """(B, C, H, W) uint8 images from `preprocess` (or already normalised floats)

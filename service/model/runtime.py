@@ -3,6 +3,7 @@ uploads turned into model input, and the batches (one forward, then the votes)."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -19,8 +20,14 @@ from embedding.thumbnails import make_thumbnail
 from service.config import Settings
 from service.gallery import Classification, Gallery
 from service.gallery.query import VoteQuery
-from service.model.batcher import MicroBatcher
-from service.model.embedder import Embedder, ImageError, load_image, open_image
+from service.model.batcher import InlineCalls, MicroBatcher
+from service.model.embedder import (
+    Embedder,
+    ImageError,
+    Preprocessing,
+    load_image,
+    open_image,
+)
 
 # Images up to this many pixels (per request) are decoded on the event loop: ~50 us for a
 # 28x28 PNG, against ~150 us+ for a hop to a worker thread and back under load.
@@ -61,75 +68,19 @@ class ModelInfo:
     warmed_sizes: int  # batch sizes 1..this were run once at start (SNCA_WARMUP_SECONDS)
 
 
-class ModelRuntime:
-    """One per process: the model thread runs every forward pass (and the warm-up)."""
+class Decoding:
+    """Uploads into model input (uint8 pixels at the model's size), on the process that runs
+    the event loop: the model's own process serving alone, or the front of a worker whose
+    model runs in a process of its own (service/model/remote.py). Needs `settings` and
+    `embedder` (a Preprocessing)."""
 
-    def __init__(self, settings: Settings, embedder: Embedder, on_batch=None):
-        """Start the model thread and prepare the model there (optimise, fuse, warm up every
-        batch size); `on_batch(size, queue wait)` is called after each batch (metrics)."""
-        self.settings = settings
-        self.embedder = embedder
-        self.gallery: Gallery | None = None  # set by `serve` once the gallery is loaded
+    settings: Settings
+    embedder: Preprocessing
+
+    def __init__(self) -> None:
         # requests decoding large images at once (each holds one decoded image at a time)
         self._decode_slots = threading.BoundedSemaphore(DECODE_SLOTS)
-        self.batcher = MicroBatcher(
-            self._run_batch, settings.max_batch, settings.max_wait_ms, on_batch
-        )
-        self.info: ModelInfo = self.batcher.call(self._prepare_model)
 
-    @classmethod
-    def start(
-        cls, settings: Settings, model, space: str, on_batch=None, world: bool = False
-    ) -> ModelRuntime:
-        """`model` (an EmbeddingNet) on the settings' device, serving vectors of `space` (and
-        with `world` the world statistics beside them)."""
-        device = resolve_device(settings.device)
-        return cls(settings, Embedder(model, device, space=space, world=world), on_batch)
-
-    def _prepare_model(self) -> ModelInfo:
-        """On the model thread, which runs every forward."""
-        s, e = self.settings, self.embedder
-        # numpy's OpenBLAS (pthreads build: the world check's matmuls, a few us) keeps its
-        # worker threads spinning after each call, which took a core from the next forward:
-        # ResNet-50 at 224 px classified a photo in 87 ms instead of 55 (its forward 82 instead
-        # of 46). FAISS's OpenBLAS (an OpenMP build, which sleeps) was not the cause: untouched.
-        ThreadpoolController().select(internal_api="openblas", threading_layer="pthreads").limit(
-            limits=1
-        )
-        torch.set_num_threads(1)
-        if s.optimize:
-            e.optimize()
-        e.warmup()
-        threads = s.torch_threads or self.auto_threads()
-        torch.set_num_threads(threads)
-        fused = e.fuse_small_batches(s.fused_batches, s.fused_memory_mb) if s.optimize else []
-        warm, sizes = e.warmup_every_size(s.max_batch, s.warmup_seconds)
-        return ModelInfo(str(e.device), e.mode, threads, fused, warm, sizes)
-
-    def auto_threads(self) -> int:
-        """Threads for the forward pass when SNCA_TORCH_THREADS is 0. The event loop needs
-        about half a millisecond of one core per request (HTTP, multipart, decoding). A light
-        model (conv4: ~0.2 ms per image) leaves the loop a core of its own, cores - 1; a heavy
-        one (ResNet: several ms per image) is the bottleneck, so it gets every core."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        cores = cores or 1
-        if cores == 1 or self.embedder.device.type != "cpu":
-            return max(1, cores - 1)
-        c, size = self.embedder.model.config.in_channels, self.embedder.model.config.image_size
-        x = torch.zeros(32, c, size, size, dtype=torch.uint8)
-        t0 = time.perf_counter()
-        self.embedder.embed(x)
-        per_image_ms = (time.perf_counter() - t0) / 32 * 1000
-        return cores if per_image_ms > HEAVY_MODEL_MS else cores - 1
-
-    def serve(self, gallery: Gallery) -> None:
-        """Classify jobs vote over `gallery` from now on."""
-        self.gallery = gallery
-
-    def close(self) -> None:
-        self.batcher.close()
-
-    # ------------------------------------------------------------------ images
     def prepare(self, data: bytes, name: str) -> Prepared:
         """Decode + preprocess one upload (blocking; see `prepare_async`)."""
         return self._finish(open_image(data, self.settings.max_image_pixels, name), data, name)
@@ -185,6 +136,126 @@ class ModelRuntime:
                     # 75 instead of 45 ms (docs/PERFORMANCE.md)
                     release_free_memory()
         return out
+
+
+@dataclass
+class Answer:
+    """One classification as the route formats it: the vote's result, the open-set threshold
+    of its label at the request's rate (None: none or unknown=off) and the gallery version the
+    vote read."""
+
+    c: Classification
+    threshold: float | None
+    version: int
+
+
+class ModelRuntime(Decoding):
+    """One per process: the model thread runs every forward pass (and the warm-up)."""
+
+    def __init__(self, settings: Settings, embedder: Embedder, on_batch=None, inline: bool = False):
+        """Start the model thread and prepare the model there (optimise, fuse, warm up every
+        batch size); `on_batch(size, queue wait)` is called after each batch (metrics).
+        `inline`: no model thread; the caller's thread runs everything (the model process,
+        service/model_process.py, whose main thread runs the batches)."""
+        super().__init__()
+        self.settings = settings
+        self.embedder = embedder
+        self.gallery: Gallery | None = None  # set by `serve` once the gallery is loaded
+        if inline:
+            self.batcher = InlineCalls()
+        else:
+            self.batcher = MicroBatcher(
+                self._run_batch, settings.max_batch, settings.max_wait_ms, on_batch
+            )
+        self.info: ModelInfo = self.batcher.call(self._prepare_model)
+
+    @classmethod
+    def load(
+        cls,
+        settings: Settings,
+        model,
+        space: str,
+        on_batch=None,
+        world: bool = False,
+        inline: bool = False,
+    ) -> ModelRuntime:
+        """`model` (an EmbeddingNet) on the settings' device, serving vectors of `space` (and
+        with `world` the world statistics beside them)."""
+        device = resolve_device(settings.device)
+        embedder = Embedder(model, device, space=space, world=world)
+        return cls(settings, embedder, on_batch, inline)
+
+    def _prepare_model(self) -> ModelInfo:
+        """On the model thread, which runs every forward."""
+        s, e = self.settings, self.embedder
+        # numpy's OpenBLAS (pthreads build: the world check's matmuls, a few us) keeps its
+        # worker threads spinning after each call, which took a core from the next forward:
+        # ResNet-50 at 224 px classified a photo in 87 ms instead of 55 (its forward 82 instead
+        # of 46). FAISS's OpenBLAS (an OpenMP build, which sleeps) was not the cause: untouched.
+        ThreadpoolController().select(internal_api="openblas", threading_layer="pthreads").limit(
+            limits=1
+        )
+        torch.set_num_threads(1)
+        if s.optimize:
+            e.optimize()
+        e.warmup()
+        threads = s.torch_threads or self.auto_threads()
+        torch.set_num_threads(threads)
+        fused = e.fuse_small_batches(s.fused_batches, s.fused_memory_mb) if s.optimize else []
+        warm, sizes = e.warmup_every_size(s.max_batch, s.warmup_seconds)
+        return ModelInfo(str(e.device), e.mode, threads, fused, warm, sizes)
+
+    def auto_threads(self) -> int:
+        """Threads for the forward pass when SNCA_TORCH_THREADS is 0. The event loop needs
+        about half a millisecond of one core per request (HTTP, multipart, decoding). A light
+        model (conv4: ~0.2 ms per image) leaves the loop a core of its own, cores - 1; a heavy
+        one (ResNet: several ms per image) is the bottleneck, so it gets every core."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = cores or 1
+        if cores == 1 or self.embedder.device.type != "cpu":
+            return max(1, cores - 1)
+        c, size = self.embedder.model.config.in_channels, self.embedder.model.config.image_size
+        x = torch.zeros(32, c, size, size, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        self.embedder.embed(x)
+        per_image_ms = (time.perf_counter() - t0) / 32 * 1000
+        return cores if per_image_ms > HEAVY_MODEL_MS else cores - 1
+
+    def wait_ready(self, progress=None, waiting=None) -> None:
+        """(The model is ready once built; a model process says when it is: remote.py.)"""
+
+    def serve(self, gallery: Gallery, vote: str | None = None, k: int | None = None) -> None:
+        """Classify jobs vote over `gallery` from now on. The first classify builds the
+        gallery's vote caches and compiles the kde vote (measured 16.5 ms against 2.8 ms
+        after, 55,000 items): done here with `vote` and `k`, not on a request."""
+        if vote is not None:
+            q = np.eye(1, gallery.dim, dtype=np.float32)
+            self.batcher.call(lambda: gallery.classify(q, vote, k))
+        self.gallery = gallery
+
+    def start(self) -> None:
+        """Results go to the running event loop from now on."""
+        self.batcher.start()
+
+    async def stop(self) -> None:
+        """Finish the batches in flight, then stop the model thread."""
+        await self.batcher.stop()
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    def problem(self) -> str | None:
+        """Why the model cannot answer now (None: it can; in this process it always can)."""
+        return None
+
+    def pid(self) -> int:
+        """The process that runs the model."""
+        return os.getpid()
+
+    async def sync(self, seq: int) -> int:
+        """A write with this seq is applied where the model votes: in this process it was, by
+        the write itself (ServiceState.add)."""
+        return self.gallery.version
 
     def embed_stored(self, images: list[bytes]):
         """Embed stored images (a migration re-embedding the gallery), blocking: (vectors
@@ -252,6 +323,31 @@ class ModelRuntime:
     async def classify(self, p: Prepared, query: VoteQuery) -> Classification:
         return await self.batcher.submit(Job("classify", p.pixels, query))
 
+    async def answers(
+        self, prepared: list[Prepared], query: VoteQuery, tpr: float | None
+    ) -> list[Answer]:
+        """Classify uploads (one job each on the batcher), with each label's open-set
+        threshold at `tpr` (None: unknown=off) and the gallery version after the vote."""
+        if len(prepared) == 1:  # the common request: no gather (a task per job)
+            cs = [await self.classify(prepared[0], query)]
+        else:
+            cs = await asyncio.gather(*[self.classify(p, query) for p in prepared])
+        version = self.gallery.version
+        thresholds = None
+        if tpr:  # (no lock on the event loop: the cached thresholds, else from a pool thread)
+            thresholds = self.gallery.cached_thresholds(tpr)
+            if thresholds is None:
+                thresholds = await run_in_threadpool(self.gallery.thresholds_at, tpr)
+        return [Answer(c, label_threshold(thresholds, c.label_id), version) for c in cs]
+
     async def embed(self, p: Prepared) -> np.ndarray:
         """The upload's row [vector | world statistics] (Embedder.split takes it apart)."""
         return await self.batcher.submit(Job("embed", p.pixels))
+
+
+def label_threshold(thresholds, label_id: int) -> float | None:
+    """Label `label_id`'s threshold from the (C,) per-label thresholds (None: none there)."""
+    if thresholds is None or not 0 <= label_id < len(thresholds):
+        return None
+    t = float(thresholds[label_id])
+    return None if t == float("-inf") else t

@@ -30,14 +30,18 @@ def img(raw, i):
     return {"image": ("q.png", png(raw, i), "image/png")}
 
 
-def test_start_up_warms_the_vote_caches(client):
-    """The first request does not build the gallery's kde caches or compile the vote."""
+def test_start_up_warms_the_vote_caches(base_run, tmp_path):
+    """The first request does not build the gallery's kde caches or compile the vote (looked
+    at in the process that votes: the model on a thread here; a model process runs the same
+    ServiceHost start-up, service/model_process.py)."""
     from service.gallery.compiled import scripted_kde_top
 
-    g = client.app.state.snca.state.gallery
-    snap = g._snapshot  # the unfiltered view, built at start-up and still current
-    assert snap is not None and (snap.epoch, snap.num_labels) == (g.rows.epoch, len(g.labels))
-    assert scripted_kde_top.cache_info().currsize == 1
+    with make_client(base_run, tmp_path / "serve", model_process=False) as client:
+        g = client.app.state.snca.state.gallery
+        snap = g._snapshot  # the unfiltered view, built at start-up and still current
+        assert snap is not None
+        assert (snap.epoch, snap.num_labels) == (g.rows.epoch, len(g.labels))
+        assert scripted_kde_top.cache_info().currsize == 1
 
 
 def test_classify_base_images(client, fmnist_test):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Literal
 
 from fastapi import APIRouter, Request
@@ -12,12 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from embedding.votes import VOTES
-from service.gallery import Classification
 from service.gallery.query import VoteQuery
 from service.http.deps import GuardedRoute, access, ready_state
 from service.http.inputs import missing, normalize_label, read_form
 from service.http.problems import Problem
 from service.http.schemas import BatchResult, ClassifyResult, ErrorBody
+from service.model.runtime import Answer
 from service.state import ServiceState
 
 router = APIRouter(tags=["classify"], route_class=GuardedRoute)
@@ -161,22 +160,17 @@ async def add_thumbnail_urls(state: ServiceState, results: list[dict]) -> None:
 
 def result(
     state: ServiceState,
-    c: Classification,
+    a: Answer,
     vote: str,
     k: int,
     neighbors: bool,
     tpr: float | None,
-    thresholds,
 ) -> dict:
     """A ClassifyResult as a plain dict: routes return it in a JSONResponse, skipping FastAPI's
     validate-and-serialise pass (a quarter of the per-request CPU for 28x28 images). The
-    route tests check every response against the ClassifyResult schema. `thresholds` (C,) per
-    label id at acceptance `tpr` (None: unknown=off)."""
-    s = state.settings
-    threshold = None
-    if thresholds is not None and 0 <= c.label_id < len(thresholds):
-        t = float(thresholds[c.label_id])
-        threshold = None if t == float("-inf") else t
+    route tests check every response against the ClassifyResult schema. `a.threshold`: the
+    label's open-set threshold at acceptance `tpr` (None: unknown=off, or none)."""
+    s, c, threshold = state.settings, a.c, a.threshold
     reason = None
     if tpr is not None:
         if c.label is not None and not c.world.ok:
@@ -208,7 +202,7 @@ def result(
         "best_similarity": c.best_similarity,
         "vote": vote,
         "k": k,
-        "gallery_version": state.gallery.version,
+        "gallery_version": a.version,  # the version the vote read
         "model_fingerprint": state.fingerprint,
     }
     if neighbors:
@@ -230,22 +224,13 @@ async def read_uploads(request: Request, field: str, max_files: int) -> list[byt
 async def answers(
     state: ServiceState, prepared: list, query: VoteQuery, tpr: float | None
 ) -> list[dict]:
-    """Classify prepared uploads (one job each on the batcher) -> ClassifyResult dicts, in
-    order, with the metrics counted and the neighbours' thumbnail URLs when asked; `tpr`: the
-    open-set acceptance rate (None: unknown=off)."""
-    rt = state.runtime
-    if len(prepared) == 1:  # the common request: no gather (a task per job)
-        cs = [await rt.classify(prepared[0], query)]
-    else:
-        cs = await asyncio.gather(*[rt.classify(p, query) for p in prepared])
+    """Classify prepared uploads (by the model thread or the model process: runtime.answers)
+    -> ClassifyResult dicts, in order, with the metrics counted and the neighbours' thumbnail
+    URLs when asked; `tpr`: the open-set acceptance rate (None: unknown=off)."""
+    got = await state.runtime.answers(prepared, query, tpr)
     vote_name, k, neighbors = query.vote, query.k, query.neighbors
-    state.metrics.classified.labels(vote_name).inc(len(cs))
-    thresholds = None
-    if tpr:  # (no lock on the event loop: the cached thresholds, else from a pool thread)
-        thresholds = state.gallery.cached_thresholds(tpr)
-        if thresholds is None:
-            thresholds = await run_in_threadpool(state.gallery.thresholds_at, tpr)
-    out = [result(state, c, vote_name, k, neighbors, tpr, thresholds) for c in cs]
+    state.metrics.classified.labels(vote_name).inc(len(got))
+    out = [result(state, a, vote_name, k, neighbors, tpr) for a in got]
     unknown = sum(r["unknown"] for r in out)
     if unknown:
         state.metrics.unknown.inc(unknown)

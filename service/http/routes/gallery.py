@@ -156,6 +156,7 @@ async def add(request: Request, state: StateDep):
     ]
     thumbs = [p.thumbnail for p in prepared]
     ids, seq = await run_in_threadpool(state.add, label, emb, md, stored, thumbs, stats)
+    await state.runtime.sync(seq)  # acknowledged once the model votes with them
     diag = await run_in_threadpool(
         state.gallery.diagnose, label, s.vote, s.k, s.unknown_tpr, ids, emb, stats
     )
@@ -306,6 +307,7 @@ async def _delete(state, ids: list[int] | None, label: str | None, code: str, wh
     rows, seq = await run_in_threadpool(state.delete, ids, label)
     if not rows:
         raise Problem(404, code, f"no {what} in the gallery")
+    await state.runtime.sync(seq)  # acknowledged once the model votes without them
     return DeleteResult(
         deleted=sorted(r[0] for r in rows), label=label or rows[0][1], gallery_version=seq
     )

@@ -40,18 +40,22 @@ async def readyz(request: Request):
             body["migrated"], body["total"] = host.progress
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
     state = host.state
+    model_down = state.runtime.problem()  # the model process restarting
     writable = state.store_writable()
+    status = "ready" if writable and model_down is None else "degraded"
+    code = 200 if status == "ready" else 503
     if not may_read(request):  # SNCA_PROTECT_READS without the key: the status only
-        body = {"status": "ready" if writable else "degraded", "store_writable": writable}
-        return JSONResponse(body, status_code=200 if writable else 503)
+        body = {"status": status, "store_writable": writable}
+        return JSONResponse(body, status_code=code)
     body = {
-        "status": "ready" if writable else "degraded",
+        "status": status,
         "model_fingerprint": state.fingerprint,
         "items": state.gallery.size(),
         "gallery_version": state.gallery.version,
         "gallery_checksum": state.gallery.cached_checksum()
         or await run_in_threadpool(state.gallery.checksum),
         "pid": os.getpid(),
+        "model_pid": state.runtime.pid(),  # the model process (or this one: --no-model-process)
         "hostname": socket.gethostname(),  # which replica answered (behind a load balancer)
         "store_writable": writable,
         "data_dir": str(state.data.path),
@@ -68,7 +72,11 @@ async def readyz(request: Request):
         body["rebuilds"] = state.rebuilds
     if not writable:
         body["store_error"] = state.store_problem() or "the store cannot be written"
-    return JSONResponse(body, status_code=200 if writable else 503)
+    if model_down is not None:
+        body["model_error"] = model_down
+    return JSONResponse(
+        body, status_code=code, headers={"Retry-After": "1"} if code != 200 else None
+    )
 
 
 @router.get(

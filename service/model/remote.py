@@ -1,0 +1,381 @@
+"""The front's handle on its model process: a worker of snca-serve is two processes.
+
+The front (this side) runs the event loop: HTTP, limits, multipart, decoding uploads into
+uint8 pixels, JSON, the store writes and a gallery replica for the routes that need no model
+(labels, items, search results, diagnostics). The model process (service/model_process.py)
+runs the model, its own gallery replica following the store's log, the batches, the vote and
+the open-set score, on its main thread. In one process the model thread and the event loop
+took turns on one GIL, and every torch call of a batch waited for the loop to give it back
+(docs/PERFORMANCE.md); here neither waits for the other.
+
+Jobs cross a Unix socket as frames (service/model/wire.py): pixels and rows as raw bytes,
+never pickled. The event loop writes through an asyncio transport (never blocks) and reads
+the answers in a protocol callback; a supervisor thread starts the model process, relays its
+start-up messages (migration progress), and when it dies fails every job in flight at once
+(ModelUnavailable: 503 + Retry-After) and starts a new one, which loads the gallery from the
+store as any replica does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from embedding.config import ModelConfig
+from embedding.errors import ArtifactError
+from service.config import Settings
+from service.gallery import Classification
+from service.gallery.query import VoteQuery
+from service.gallery.world import WorldVerdict
+from service.model.embedder import Preprocessing
+from service.model.runtime import Answer, Decoding, ModelInfo, Prepared
+from service.model.wire import FrameReader, frame
+
+log = logging.getLogger("snca.service")
+
+SETTINGS_ENV = "SNCA_MODEL_PROCESS_SETTINGS"  # the front's settings, JSON (no API key)
+CONTROL_FD_ENV = "SNCA_MODEL_CONTROL_FD"  # the model process writes JSON lines here
+DATA_FD_ENV = "SNCA_MODEL_DATA_FD"  # its end of the job socket
+SYNC_TIMEOUT_S = 10.0  # a write waits this long for the model process to apply it
+RESTART_BACKOFF_S = (0.2, 1.0, 5.0)  # after the 1st, 2nd, 3rd+ death in a row
+SOCKET_BUFFER = 4 << 20
+
+
+class ModelUnavailable(Exception):
+    """The model process is down or restarting: the request is answered 503 + Retry-After."""
+
+
+class RemoteRuntime(Decoding):
+    """ModelRuntime's interface, with the model in a process of its own."""
+
+    def __init__(self, settings: Settings, on_batch: Callable[[int, float], None] | None = None):
+        """Start the model process and wait until it has opened the model and the index
+        (ArtifactError with its reason if it cannot); the gallery loads meanwhile
+        (`wait_ready`)."""
+        super().__init__()
+        torch.set_num_threads(1)  # the front runs no model: no torch thread team here
+        self.settings = settings
+        self.on_batch = on_batch
+        self.gallery = None  # the front's replica (min_version of each job)
+        self.info: ModelInfo | None = None
+        self.opened: dict = {}
+        self._messages: queue.SimpleQueue = queue.SimpleQueue()  # start-up messages
+        self._futures: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._transport: asyncio.Transport | None = None
+        self._sock: socket.socket | None = None  # a ready process's socket, not yet attached
+        self._down: str | None = "the model process is starting"
+        self._proc: subprocess.Popen | None = None
+        self._closed = False
+        self.restarts = 0
+        self._supervisor = threading.Thread(
+            target=self._supervise, name="model-process", daemon=True
+        )
+        self._supervisor.start()
+        msg = self._next_message()
+        if msg["t"] != "opened":
+            raise ArtifactError(msg.get("error") or "the model process did not start")
+        self.opened = msg
+        cfg = ModelConfig.from_dict(msg["config"])
+        self.embedder = Preprocessing(cfg, msg["dim"], msg["world_dim"])
+
+    # ------------------------------------------------------------------ start-up
+    def _next_message(self) -> dict:
+        return self._messages.get()
+
+    def wait_ready(self, progress=None, waiting=None) -> None:
+        """Block until the model process has loaded its gallery (carrying it to this model
+        first if it had to: `progress(done, total)`, `waiting(why)` as it goes)."""
+        if self.info is not None:
+            return
+        while True:
+            msg = self._next_message()
+            t = msg["t"]
+            if t == "progress" and progress is not None:
+                progress(msg["done"], msg["total"])
+            elif t == "waiting" and waiting is not None:
+                waiting(msg["why"])
+            elif t == "ready":
+                return
+            elif t in ("failed", "exit"):
+                raise RuntimeError(msg.get("error") or "the model process stopped")
+
+    def _spawn(self) -> tuple[subprocess.Popen, socket.socket, int]:
+        front, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for s in (front, child):
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+        ctl_r, ctl_w = os.pipe()
+        dump = self.settings.model_dump(mode="json", exclude={"api_key", "api_key_file"})
+        dump["store_is_default"] = self.settings.store_is_default
+        env = {
+            **os.environ,
+            SETTINGS_ENV: json.dumps(dump),
+            CONTROL_FD_ENV: str(ctl_w),
+            DATA_FD_ENV: str(child.fileno()),
+        }
+        env.pop("SNCA_API_KEY", None)  # the model process needs no key
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "service.model_process"],
+                env=env,
+                pass_fds=(ctl_w, child.fileno()),
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            os.close(ctl_w)
+            child.close()
+        return proc, front, ctl_r
+
+    def _supervise(self) -> None:
+        """The supervisor thread: start the model process, relay what it says, and when it
+        dies fail the jobs in flight and start another (after a back-off)."""
+        deaths = 0
+        while not self._closed:
+            proc, sock, ctl = self._spawn()
+            self._proc = proc
+            ready = False
+            with os.fdopen(ctl, "rb", buffering=0) as f:
+                for line in iter(f.readline, b""):
+                    try:
+                        msg = json.loads(line)
+                    except ValueError:
+                        continue
+                    if msg.get("t") == "ready":
+                        ready = True
+                        self.info = ModelInfo(**msg["info"])
+                        deaths = 0
+                        self._up(sock)
+                    if not self.restarts:  # (start-up waits on them; a restart, nobody)
+                        self._messages.put(msg)
+            code = proc.wait()
+            why = _exit_reason(code)
+            sock.close()
+            if self._closed:
+                return
+            if not ready and not self.restarts:  # the first start failed: start-up fails
+                self._messages.put({"t": "exit", "error": f"the model process {why}"})
+                return
+            deaths += 1
+            self.restarts += 1
+            log.warning(
+                "the model process %s; starting another", why, extra={"fields": {"pid": proc.pid}}
+            )
+            self._set_down(f"the model process {why}; a new one is starting")
+            time.sleep(RESTART_BACKOFF_S[min(deaths, len(RESTART_BACKOFF_S)) - 1])
+
+    def _up(self, sock: socket.socket) -> None:
+        """On the supervisor thread: a model process is ready on `sock`."""
+        loop = self._loop
+        if loop is None:  # before the event loop started: `start` attaches it
+            self._sock = sock
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            asyncio.run_coroutine_threadsafe(self._attach(sock), loop)
+
+    async def _attach(self, sock: socket.socket) -> None:
+        """On the event loop: serve from the ready process on `sock`."""
+        transport, _ = await self._loop.create_unix_connection(
+            lambda: _Results(self, sock), sock=sock
+        )
+        self._transport = transport
+        self._down = None
+
+    def _set_down(self, why: str) -> None:
+        loop = self._loop
+        if loop is None:
+            self._down = why
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._lost, None, why)
+
+    def _lost(self, transport, why: str) -> None:
+        """On the event loop: the process behind `transport` (None: the current one) is gone:
+        every job in flight fails now, new ones until another is ready."""
+        if transport is not None and transport is not self._transport:
+            return  # an older process's connection, already handled
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self._down = why
+        futures, self._futures = self._futures, {}
+        for fut in futures.values():
+            if not fut.done():
+                fut.set_exception(ModelUnavailable(why))
+
+    # ------------------------------------------------------------------ the event loop side
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self._loop.create_task(self._attach(sock))
+
+    async def stop(self) -> None:
+        """Let the jobs in flight finish (bounded), then stop the model process."""
+        deadline = time.monotonic() + 10
+        while self._futures and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.close()
+
+    def close(self) -> None:
+        self._closed = True
+        if self._transport is not None:
+            # EOF now: the model process exits (a transport closes its socket only on the
+            # loop's next turn, which the wait below would hold up)
+            sock = self._transport.get_extra_info("socket")
+            with contextlib.suppress(OSError, AttributeError):
+                sock.shutdown(socket.SHUT_RDWR)
+            self._transport.close()
+            self._transport = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def problem(self) -> str | None:
+        return self._down
+
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def serve(self, gallery, vote: str | None = None, k: int | None = None) -> None:
+        """The front's replica: each job asks the model process for at least its version."""
+        self.gallery = gallery
+
+    def _send(self, header: list, payload: bytes = b"") -> asyncio.Future:
+        if self._transport is None or self._down is not None:
+            raise ModelUnavailable(self._down or "the model process is not connected")
+        fut = self._loop.create_future()
+        self._futures[header[1]] = fut
+        self._transport.write(frame(header, payload))
+        return fut
+
+    def _version(self) -> int:
+        return 0 if self.gallery is None else self.gallery.version
+
+    async def answers(
+        self, prepared: list[Prepared], query: VoteQuery, tpr: float | None
+    ) -> list[Answer]:
+        v = self._version()
+        futs = [
+            self._send(
+                ["c", next(self._ids), v, query.vote, query.k, query.labels, query.neighbors, tpr],
+                _raw(p.pixels),
+            )
+            for p in prepared
+        ]
+        return [_answer(r) for r in await asyncio.gather(*futs)]
+
+    async def embed(self, p: Prepared) -> np.ndarray:
+        return await self._send(["e", next(self._ids), self._version()], _raw(p.pixels))
+
+    async def sync(self, seq: int) -> int:
+        """Return once the model process has applied the write `seq` (the answer to the write
+        waits for this). A process that is down loads the store when it starts, so it will
+        have the write: nothing to wait for. A process slower than SYNC_TIMEOUT_S is logged;
+        every later job carries the front's version, which it applies before answering."""
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(self._send(["s", next(self._ids), seq])), SYNC_TIMEOUT_S
+            )
+        except ModelUnavailable:
+            return seq
+        except TimeoutError:
+            log.warning("the model process did not apply write %d within %ss", seq, SYNC_TIMEOUT_S)
+            return seq
+
+    def _results(self, header: list, payload: bytes) -> None:
+        """On the event loop: one batch's results."""
+        _, size, waited, results = header
+        if self.on_batch is not None and size:
+            with contextlib.suppress(Exception):
+                self.on_batch(size, waited)
+        for job, kind, data in results:
+            fut = self._futures.pop(job, None)
+            if fut is None or fut.done():  # the client went away
+                continue
+            if kind == "x":
+                status, why = data
+                err = ModelUnavailable(why) if status == 503 else RuntimeError(why)
+                fut.set_exception(err)
+            elif kind == "e":
+                at, n = data
+                fut.set_result(np.frombuffer(payload, np.float32, n, at * 4).copy())
+            else:
+                fut.set_result(data)
+
+
+class _Results(asyncio.Protocol):
+    def __init__(self, rt: RemoteRuntime, sock: socket.socket):
+        self.rt = rt
+        self.sock = sock
+        self.reader = FrameReader()
+        self.transport = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.reader.feed(data)
+        except ValueError as e:
+            self.rt._lost(self.transport, f"the model process sent a corrupt frame: {e}")
+            return
+        for header, payload in frames:
+            self.rt._results(header, payload)
+
+    def connection_lost(self, exc) -> None:
+        self.rt._lost(self.transport, "the model process stopped; a new one is starting")
+
+
+def _raw(pixels: np.ndarray) -> memoryview:
+    """The bytes of C-contiguous uint8 pixels, without a copy."""
+    return memoryview(pixels).cast("B")
+
+
+def _answer(r: list) -> Answer:
+    """A classification as the model process sent it (model_process.classification_row)."""
+    label, conf, probs, best, score, label_id, neigh, world, threshold, version = r
+    c = Classification(
+        label,
+        conf,
+        [tuple(p) for p in probs],
+        best,
+        [tuple(n) for n in neigh],
+        score,
+        label_id,
+        WorldVerdict(world[0], world[1], world[2], world[3]),
+    )
+    return Answer(c, threshold, version)
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
