@@ -233,8 +233,14 @@ def main() -> int:
 
     gc.collect()
     gc.freeze()  # start-up's long-lived objects: out of every collection's way
+    carried = None if state.migration is None else state.migration.to_dict()
     control.send(
-        {"t": "ready", "info": asdict(state.runtime.info), "version": state.gallery.version}
+        {
+            "t": "ready",
+            "info": asdict(state.runtime.info),
+            "version": state.gallery.version,
+            "migration": carried,  # what this start carried to the model (/readyz shows it)
+        }
     )
     try:
         Server(state, sock).run()

@@ -181,7 +181,7 @@ def finish_service(
 ) -> ServiceState:
     """Carry the gallery if the plan says so, then load it; the ready ServiceState."""
     t0 = time.perf_counter()
-    report = None
+    report = o.runtime.migration_report()  # carried by the model process, if it did
     if o.plan is not None:
         report = _migrate(o, settings, progress, status)
     ix, data = o.index, o.data

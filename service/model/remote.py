@@ -45,6 +45,7 @@ from service.gallery.world import WorldVerdict
 from service.model.embedder import Preprocessing
 from service.model.runtime import Answer, Decoding, ModelInfo, Prepared
 from service.model.wire import FrameReader, frame
+from service.store.migration import Report
 
 log = logging.getLogger("snca.service")
 
@@ -80,10 +81,12 @@ class RemoteRuntime(Decoding):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: asyncio.Transport | None = None
         self._sock: socket.socket | None = None  # a ready process's socket, not yet attached
+        self._connected: socket.socket | None = None  # the attached one
         self._down: str | None = "the model process is starting"
         self._proc: subprocess.Popen | None = None
         self._closed = False
         self.restarts = 0
+        self._carried: Report | None = None  # what the model process's start carried
         self._supervisor = threading.Thread(
             target=self._supervise, name="model-process", daemon=True
         )
@@ -161,6 +164,8 @@ class RemoteRuntime(Decoding):
                     if msg.get("t") == "ready":
                         ready = True
                         self.info = ModelInfo(**msg["info"])
+                        if msg.get("migration") and self._carried is None:
+                            self._carried = Report.from_summary(msg["migration"])
                         deaths = 0
                         self._up(sock)
                     if not self.restarts:  # (start-up waits on them; a restart, nobody)
@@ -196,6 +201,7 @@ class RemoteRuntime(Decoding):
             lambda: _Results(self, sock), sock=sock
         )
         self._transport = transport
+        self._connected = sock  # (the transport's wrapper refuses shutdown(); close uses this)
         self._down = None
 
     def _set_down(self, why: str) -> None:
@@ -239,9 +245,8 @@ class RemoteRuntime(Decoding):
         if self._transport is not None:
             # EOF now: the model process exits (a transport closes its socket only on the
             # loop's next turn, which the wait below would hold up)
-            sock = self._transport.get_extra_info("socket")
-            with contextlib.suppress(OSError, AttributeError):
-                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                self._connected.shutdown(socket.SHUT_RDWR)
             self._transport.close()
             self._transport = None
         if self._sock is not None:
@@ -257,6 +262,10 @@ class RemoteRuntime(Decoding):
 
     def problem(self) -> str | None:
         return self._down
+
+    def migration_report(self) -> Report | None:
+        """What the model process carried to this model at its first start (None: nothing)."""
+        return self._carried
 
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid

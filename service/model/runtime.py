@@ -248,6 +248,10 @@ class ModelRuntime(Decoding):
         """Why the model cannot answer now (None: it can; in this process it always can)."""
         return None
 
+    def migration_report(self):
+        """(A migration in this process is reported by start-up itself: startup._migrate.)"""
+        return None
+
     def pid(self) -> int:
         """The process that runs the model."""
         return os.getpid()

@@ -109,7 +109,13 @@ def test_read_only_store_serves_reads_refuses_writes_and_recovers(
     with httpx.Client(base_url=server.url, timeout=30) as c:
         assert _add(c, "before", img, 3).status_code == 201
         before = _labels(c)
-    server.kill(stop)
+    if stop == signal.SIGKILL:  # a crash takes the model process too, before it can close
+        model = httpx.get(server.url + "/readyz", timeout=30).json()["model_pid"]
+        os.kill(model, signal.SIGSTOP)
+        server.kill(stop)
+        os.kill(model, signal.SIGKILL)
+    else:
+        server.kill(stop)
     wal = data / "gallery.sqlite-wal"
     assert (wal.exists() and wal.stat().st_size > 0) == (stop == signal.SIGKILL)
 
