@@ -585,10 +585,11 @@ def cost(a) -> dict:
     full = scripted_kde_top()
     score = torch.jit.script(label_kth_grouped)
     sims = q @ x.T
+    xt = x.T.contiguous()  # (d, N): what the service passes (Rows.embeddings_t)
     pred = torch.randint(0, 10, (a.batch,), generator=g)
 
     def run_full():
-        full(q, x, onehot, counts, 0.05, 5, None, order, starts, kcs, 0.5)
+        full(q, xt, onehot, counts, 0.05, 5, None, order, starts, kcs, 0.5)
 
     def run_score():
         score(sims, order, starts, pred, kcs[pred])

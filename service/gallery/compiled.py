@@ -16,7 +16,7 @@ from embedding.votes.kde_shrunk import shrink_log_density
 
 def kde_top(
     queries: torch.Tensor,
-    gallery: torch.Tensor,
+    gallery_t: torch.Tensor,
     onehot: torch.Tensor,
     counts: torch.Tensor,
     temperature: float,
@@ -28,7 +28,7 @@ def kde_top(
     alpha: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The service's kde classification in one call: queries (B, d) against every gallery row
-    (N, d) -> (best similarity (B,), top-`top` probabilities (B, top) and label ids, the
+    (gallery_t: (d, N), the rows transposed, Rows.embeddings_t) -> (best similarity (B,), top-`top` probabilities (B, top) and label ids, the
     probability total (B,), 0 for a query no label can take, and the open-set score (B,):
     embedding.openset.label_kth_grouped of the top label with kcs (C,) = min(k, n_c - 1)). `live`
     (N,) bool masks deleted rows out of the best similarity (their labels are already outside
@@ -37,7 +37,7 @@ def kde_top(
     Compiled by `scripted_kde_top` the service runs it without the GIL: one hand-off per
     batch instead of one per operation, which is what an event loop on the other core
     made slow (docs/PERFORMANCE.md)."""
-    sims = queries @ gallery.t()  # (B, N) cosine similarities
+    sims = queries @ gallery_t  # (B, N) cosine similarities
     if live is None:
         best = sims.max(dim=1).values
     else:
