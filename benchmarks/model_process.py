@@ -1,5 +1,8 @@
 """A prototype, for measurement only: the service with its classify batches run in a separate
-process instead of on the model thread, against the service as it is, in one run.
+process instead of on the model thread, against the one-process service (--no-model-process),
+in one run. Issue 31 made the model process the service (service/model/remote.py,
+service/model_process.py; measured in docs/PERFORMANCE.md with benchmarks/service_load.py);
+this file stays as the record of the measurement that motivated it.
 
     python benchmarks/model_process.py                 # conv4 bench run
     python benchmarks/model_process.py --rates 700,1000,1400

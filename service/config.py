@@ -214,7 +214,7 @@ class Settings(BaseSettings):
         ge=1,
         le=64,
         description="serving processes on one port sharing one gallery store (each a replica "
-        "with its own model thread; torch threads split between them)",
+        "with its own model process; torch threads split between them)",
     )
     migration_batch: int = Field(
         64,

@@ -1,10 +1,11 @@
 """`snca-serve --workers N`: N serving processes on one port, one gallery store.
 
 The supervisor (this module, the process the user started) binds the port once and starts N
-workers, each a whole `snca-serve` (model thread, gallery in memory, follower) that accepts on
-the inherited socket; the kernel hands each connection to one of them. Each worker is a
-replica of the store's change log (service/state.py), so a write taken by one is seen by the
-others within a poll (read-your-writes across them with X-Min-Gallery-Version).
+workers, each a whole `snca-serve` (a front and its model process, galleries in memory,
+followers) that accepts on the inherited socket; the kernel hands each connection to one of
+them. Each worker is a replica of the store's change log (service/state.py), so a write taken
+by one is seen by the others within a poll (read-your-writes across them with
+X-Min-Gallery-Version).
 
 - The first worker starts alone: it seeds a new store, or carries the gallery to a new model,
   exactly once; the others start when it is ready and find the store done.
