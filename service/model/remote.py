@@ -172,7 +172,8 @@ class RemoteRuntime(Decoding):
                         self._messages.put(msg)
             code = proc.wait()
             why = _exit_reason(code)
-            sock.close()
+            if not ready:  # (once ready the event loop owns it: _lost closes it there)
+                sock.close()
             if self._closed:
                 return
             if not ready and not self.restarts:  # the first start failed: start-up fails
@@ -220,6 +221,9 @@ class RemoteRuntime(Decoding):
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+        if self._sock is not None:  # ready, never attached
+            self._sock.close()
+            self._sock = None
         self._down = why
         futures, self._futures = self._futures, {}
         for fut in futures.values():
