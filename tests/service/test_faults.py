@@ -280,7 +280,10 @@ def test_kill_9_at_random_points_of_adds_and_deletes(base_run, tmp_path, fmnist_
     lock = threading.Lock()
     rng = random.Random(7)
     for round_ in range(ROUNDS):
-        srv = Server(base_run, data_dir)
+        # one process: what is under test is the write path, the same in both modes (the
+        # front writes); a model process's restarts are test_model_process's, and each would
+        # cost this loop a second start-up per round
+        srv = Server(base_run, data_dir, None, "--no-model-process")
         stop = threading.Event()
 
         def client(w, srv=srv, stop=stop, round_=round_):

@@ -16,6 +16,10 @@ from .conftest import of_class, png
 
 
 def make_client(run, data_dir, **kw):
+    """The app in this process. The model on a thread (a TestClient tests the routes); the
+    same routes through a model process: tests/service/test_model_process.py, which holds
+    every route's answers in both modes equal."""
+    kw.setdefault("model_process", False)
     app = create_app(Settings(model=run, data_dir=data_dir, **kw))
     return TestClient(app, base_url="http://localhost")  # a loopback Host, as the server wants
 
@@ -36,7 +40,7 @@ def test_start_up_warms_the_vote_caches(base_run, tmp_path):
     ServiceHost start-up, service/model_process.py)."""
     from service.gallery.compiled import scripted_kde_top
 
-    with make_client(base_run, tmp_path / "serve", model_process=False) as client:
+    with make_client(base_run, tmp_path / "serve") as client:
         g = client.app.state.snca.state.gallery
         snap = g._snapshot  # the unfiltered view, built at start-up and still current
         assert snap is not None
