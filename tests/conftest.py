@@ -99,3 +99,27 @@ def run_cli(module: str, *args, env=None, timeout=3600):
         env=full_env,
         timeout=timeout,
     )
+
+
+# Files that take minutes alone (their longest test or set-up is 2-4 min: make test's
+# durations) are collected first, so that `--dist loadfile` starts them while the other worker
+# runs the many short files, instead of handing one to a worker at the end with nothing left to
+# overlap it (what made the suite's last minutes run on one of two cores).
+LONG_FILES = (
+    "tests/training/test_train_e2e.py",
+    "tests/experiments/test_reproduce.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    root = Path(__file__).resolve().parent.parent
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+
+    def key(item) -> int:
+        try:
+            rel = Path(str(item.fspath)).resolve().relative_to(root).as_posix()
+        except ValueError:
+            return len(rank)
+        return rank.get(rel, len(rank))
+
+    items.sort(key=key)  # stable: everything else keeps its order
