@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key-file", type=Path, help="read the API key from this file (a compose secret)"
     )
+    p.add_argument(
+        "--api-keys-file",
+        type=Path,
+        help="scoped keys, one SCOPE:KEY a line (read or write); re-read when it changes",
+    )
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -131,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as e:
         msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         print(f"snca-serve: error: {msgs}", file=sys.stderr)
+        return 2
+    try:
+        from service.http.keys import KeyRing
+
+        KeyRing.from_settings(settings)  # a wrong key entry or key file: exit 2, key unnamed
+    except ValueError as e:
+        print(f"snca-serve: error: {e}", file=sys.stderr)
         return 2
     from service.workers import WORKER_FD, exec_supervisor, signal_ready_when
 

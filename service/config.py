@@ -233,7 +233,20 @@ class Settings(BaseSettings):
         description="read the API key from this file (e.g. a Docker/Compose secret, "
         "/run/secrets/snca_api_key) when api_key is not set",
     )
-    protect_reads: bool = Field(False, description="require the API key on read routes too")
+    api_keys: SecretStr | None = Field(
+        None,
+        description="scoped keys: SCOPE:KEY entries (SCOPE read or write) separated by commas",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="scoped keys from a file, one SCOPE:KEY a line; re-read when it changes "
+        "(rotation without a restart)",
+    )
+    protect_reads: bool | None = Field(
+        None,
+        description="require a key (read or write) on read routes too; default: when a read "
+        "key is configured",
+    )
     allowed_hosts: str | None = Field(
         None,
         description="comma-separated Host header names the server answers to ('*': any); "
@@ -284,6 +297,8 @@ class Settings(BaseSettings):
             if not key:
                 raise ValueError(f"api_key_file {self.api_key_file} is empty")
             self.api_key = SecretStr(key)
+        if self.api_keys is not None and not self.api_keys.get_secret_value().strip():
+            self.api_keys = None
         if self.index is None:
             self.index = self.model / "index"
         self._store_given = self.store is not None

@@ -20,6 +20,7 @@ from starlette.routing import Match
 from embedding.errors import SNCAError
 from service.config import Settings
 from service.http import openapi, problems
+from service.http.keys import KeyRing
 from service.http.logs import request_id, setup_logging
 from service.http.problems import Problem
 from service.http.routes import classify, gallery, ops, page, search
@@ -293,6 +294,7 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
         **kw,
     )
     app.state.snca = host
+    app.state.keys = KeyRing.from_settings(settings)  # (cli checked it before binding the port)
     for r in (classify.router, gallery.router, search.router, ops.router, page.router):
         app.include_router(r)
     app.mount("/static", StaticFiles(directory=page.STATIC_DIR), name="static")

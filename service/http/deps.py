@@ -3,13 +3,13 @@ check every route goes through (GuardedRoute), before its body is read."""
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated, Literal
 
 from fastapi import Depends, Request
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
+from service.http.keys import KeyRing
 from service.http.problems import Problem
 from service.http.waits import ClientGone
 from service.startup import ServiceHost
@@ -23,22 +23,22 @@ KEY_SCHEME = {
         "type": "apiKey",
         "in": "header",
         "name": KEY_HEADER,
-        "description": "required when SNCA_API_KEY is set (on reads only with SNCA_PROTECT_READS)",
+        "description": "a key of scope `write` (SNCA_API_KEY, or `write:` in SNCA_API_KEYS) "
+        "for every route; of scope `read` for the read routes only (a write route answers it "
+        "403 insufficient_scope). Read routes need a key when SNCA_PROTECT_READS is set or a "
+        "read key is configured.",
     }
 }
 
 
 def access(level: Access, **openapi: object) -> dict:
-    """openapi_extra of a route with this access level: `write` needs the API key when one is
-    set, `read` only with SNCA_PROTECT_READS, `public` never."""
+    """openapi_extra of a route with this access level: `write` needs a write key when keys
+    are configured, `read` a read or write key when reads are protected, `public` never."""
     return {ACCESS_KEY: level, **openapi}
 
 
-def needs_key(settings, level: Access) -> bool:
-    """Whether a route of `level` needs the API key under `settings` (what OpenAPI says too)."""
-    if settings.api_key is None or level == "public":
-        return False
-    return level == "write" or settings.protect_reads
+def keys_of(request: Request) -> KeyRing:
+    return request.app.state.keys
 
 
 def same_origin(request: Request) -> bool:
@@ -52,12 +52,13 @@ def same_origin(request: Request) -> bool:
 
 
 def check_access(request: Request, level: Access) -> None:
-    """401 unless the request may use a route of `level` (constant-time key compare). With no
-    key set, writes are refused (403) from another web origin: any page the user visits could
-    otherwise post a form to the service on their loopback (CSRF)."""
-    settings = request.app.state.snca.settings
-    if not needs_key(settings, level):
-        if level == "write" and settings.api_key is None and not same_origin(request):
+    """401 unless the request may use a route of `level`; 403 for a read key on a write
+    route (constant-time key compare, keys.py). With no key configured, writes are refused
+    (403) from another web origin: any page the user visits could otherwise post a form to the
+    service on their loopback (CSRF)."""
+    keys = keys_of(request)
+    if not keys.needs_key(level):
+        if level == "write" and not keys.enabled and not same_origin(request):
             raise Problem(
                 403,
                 "cross_origin_write",
@@ -66,7 +67,8 @@ def check_access(request: Request, level: Access) -> None:
             )
         return
     key = request.headers.get(KEY_HEADER)
-    if not hmac.compare_digest((key or "").encode(), settings.api_key.get_secret_value().encode()):
+    scope = keys.scope(key)
+    if scope is None:
         raise Problem(
             401,
             "unauthorized",
@@ -75,16 +77,32 @@ def check_access(request: Request, level: Access) -> None:
             else f"this route needs the API key (header {KEY_HEADER})",
             headers={"WWW-Authenticate": KEY_HEADER},
         )
+    if level == "write" and scope != "write":
+        raise Problem(
+            403,
+            "insufficient_scope",
+            "this API key may only read; this route changes the gallery and needs a key of "
+            "scope write",
+        )
+
+
+def scope_of(request: Request) -> str:
+    """What this request's key may do, as the page shows it: write, read or none (no key
+    needed for a level counts as allowed)."""
+    keys = keys_of(request)
+    scope = keys.scope(request.headers.get(KEY_HEADER))
+    if scope is not None:
+        return scope
+    if not keys.needs_key("write"):
+        return "write"
+    return "read" if not keys.needs_key("read") else "none"
 
 
 def may_read(request: Request) -> bool:
-    """Whether this request may see what read routes show (no key needed for reads, or the
-    right key given): /readyz, public for load balancers, shows its details only then."""
-    settings = request.app.state.snca.settings
-    if not needs_key(settings, "read"):
-        return True
-    key = request.headers.get(KEY_HEADER) or ""
-    return hmac.compare_digest(key.encode(), settings.api_key.get_secret_value().encode())
+    """Whether this request may see what read routes show (no key needed for reads, or a key
+    of either scope given): /readyz, public for load balancers, shows its details only then."""
+    keys = keys_of(request)
+    return not keys.needs_key("read") or keys.scope(request.headers.get(KEY_HEADER)) is not None
 
 
 def _query_names(dependant) -> set[str]:

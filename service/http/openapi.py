@@ -9,7 +9,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from service.config import Settings
-from service.http.deps import ACCESS_KEY, KEY_SCHEME, MIN_VERSION_HEADER, needs_key
+from service.http.deps import ACCESS_KEY, KEY_SCHEME, MIN_VERSION_HEADER
+from service.http.keys import KeyRing
 from service.http.problems import PROBLEM_JSON
 from service.http.schemas import ErrorBody
 
@@ -53,7 +54,7 @@ def _limits(op: dict, s: Settings) -> None:
         props["images"]["maxItems"] = s.max_images_per_request
 
 
-def build(app: FastAPI, settings: Settings) -> dict:
+def build(app: FastAPI, settings: Settings, keys: KeyRing | None = None) -> dict:
     schema = get_openapi(
         title=app.title, version=app.version, description=app.description, routes=app.routes
     )
@@ -61,17 +62,22 @@ def build(app: FastAPI, settings: Settings) -> dict:
     comps["ErrorBody"] = ErrorBody.model_json_schema()
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)
-    if settings.api_key is not None:
+    keys = KeyRing.from_settings(settings) if keys is None else keys
+    if keys.enabled:
         schema["components"]["securitySchemes"] = KEY_SCHEME
     for path_ops in schema.get("paths", {}).values():
         for op in path_ops.values():
             level = op.get(ACCESS_KEY, "public")
             op.pop("security", None)
             responses = op.setdefault("responses", {})
-            if needs_key(settings, level):
+            if keys.needs_key(level):
                 op["security"] = [{"APIKeyHeader": []}]
                 responses.setdefault("401", {"description": "missing or wrong API key"})
-            elif level == "write" and settings.api_key is None:
+                if level == "write":
+                    responses.setdefault(
+                        "403", {"description": "the key is a read key (insufficient_scope)"}
+                    )
+            elif level == "write" and not keys.enabled:
                 responses.setdefault("403", {"description": "a write from another web origin"})
             for code, desc in EVERY_ROUTE.items():
                 responses.setdefault(code, {"description": desc})
@@ -90,11 +96,17 @@ def build(app: FastAPI, settings: Settings) -> dict:
 
 
 def install(app: FastAPI, settings: Settings) -> None:
-    """app.openapi() answers `build` (made once)."""
+    """app.openapi() answers `build` (made again only when the key file changed)."""
+
+    made = [-1]  # the key ring's reloads the document was built for (a rotated key file
+    # can add or drop read keys, and with them what the read routes require)
 
     def openapi() -> dict:
-        if not app.openapi_schema:
-            app.openapi_schema = build(app, settings)
+        keys = app.state.keys
+        keys.refresh()  # (looks at the key file)
+        if not app.openapi_schema or made[0] != keys.reloads:
+            app.openapi_schema = build(app, settings, keys)
+            made[0] = keys.reloads
         return app.openapi_schema
 
     app.openapi = openapi

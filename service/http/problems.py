@@ -44,6 +44,7 @@ CODES = {
     "unknown_parameter": "a query parameter the route does not take (a typo would do nothing)",
     "unauthorized": "the X-API-Key header is missing or wrong",
     "cross_origin_write": "a write from another web origin while no API key is set",
+    "insufficient_scope": "the API key may only read; the route writes",
     "host_not_allowed": "the Host header is not one this server answers to",
     "not_found": "no such route",
     "method_not_allowed": "the route does not take this method",

@@ -126,7 +126,9 @@ class RemoteRuntime(Decoding):
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         ctl_r, ctl_w = os.pipe()
-        dump = self.settings.model_dump(mode="json", exclude={"api_key", "api_key_file"})
+        dump = self.settings.model_dump(
+            mode="json", exclude={"api_key", "api_key_file", "api_keys", "api_keys_file"}
+        )
         dump["store_is_default"] = self.settings.store_is_default
         env = {
             **os.environ,

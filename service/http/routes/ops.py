@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from service.http.deps import GuardedRoute, StateDep, access, may_read
+from service.http.deps import GuardedRoute, StateDep, access, may_read, scope_of
 from service.http.problems import Problem
 from service.http.schemas import ErrorBody, SnapshotResult
 
@@ -45,10 +45,11 @@ async def readyz(request: Request):
     status = "ready" if writable and model_down is None else "degraded"
     code = 200 if status == "ready" else 503
     if not may_read(request):  # SNCA_PROTECT_READS without the key: the status only
-        body = {"status": status, "store_writable": writable}
+        body = {"status": status, "store_writable": writable, "access": scope_of(request)}
         return JSONResponse(body, status_code=code)
     body = {
         "status": status,
+        "access": scope_of(request),  # what this request's key may do: write, read, none
         "model_fingerprint": state.fingerprint,
         "items": state.gallery.size(),
         "gallery_version": state.gallery.version,

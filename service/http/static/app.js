@@ -222,7 +222,7 @@ async function register(ev) {
   } catch (e) {
     say(e.message);
   } finally {
-    $("register-submit").disabled = false;
+    $("register-submit").disabled = access !== "write";
   }
 }
 
@@ -255,6 +255,7 @@ async function loadLabels() {
       return tr;
     });
     $("labels-table").tBodies[0].replaceChildren(...rows);
+    applyAccess();
   } catch (e) {
     say(e.message);
   }
@@ -287,10 +288,32 @@ async function search(file) {
 }
 
 // ---------------------------------------------------------------- wiring
+// What this tab's key may do (/readyz "access": write, read or none): a read key gets the
+// write controls disabled, with the reason, instead of a 403 after the fact.
+let access = "write";
+
+function applyAccess() {
+  const readOnly = access !== "write";
+  const why = access === "read" ? "this API key may only read" : "an API key of scope write is needed";
+  $("register-submit").disabled = readOnly;
+  $("register-submit").title = readOnly ? why : "";
+  $("register-readonly").hidden = !readOnly;
+  $("register-readonly").textContent = readOnly ? `Registering is off: ${why}.` : "";
+  for (const b of document.querySelectorAll("#labels-table button")) {
+    b.disabled = readOnly;
+    b.title = readOnly ? why : "";
+  }
+}
+
 async function refreshStatus() {
   try {
+    const ready = await fetch("/readyz", { headers: headers() }).then((r) => r.json());
+    if (ready.access) access = ready.access;
+  } catch (_) { /* the labels call below says why */ }
+  applyAccess();
+  try {
     const r = await api("/gallery/labels?limit=1");
-    $("status").textContent = `${r.total} items · ${r.label_count} labels · version ${r.gallery_version}`;
+    $("status").textContent = `${r.total} items · ${r.label_count} labels · version ${r.gallery_version}` + (access === "read" ? " · read-only key" : "");
   } catch (e) {
     $("status").textContent = e.message.startsWith("401") ? "API key needed" : "service unreachable";
   }
