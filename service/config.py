@@ -216,6 +216,13 @@ class Settings(BaseSettings):
         description="serving processes on one port sharing one gallery store (each a replica "
         "with its own model process; torch threads split between them)",
     )
+    keep_previous: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="stores kept in DATA_DIR/previous/ after a migration (the newest; one that "
+        "is the only copy of an item is never deleted)",
+    )
     migration_batch: int = Field(
         64,
         ge=1,

@@ -35,9 +35,10 @@ from service.gallery.snapshot import load_snapshot
 from service.http.metrics import Metrics
 from service.model.runtime import ModelRuntime
 from service.state import ServiceState
-from service.store.datadir import DataDir
+from service.store.datadir import STORE_FILE, DataDir
 from service.store.migration import Migration, Plan, Report, Target, exclusive, plan, settle
-from service.store.registry import open_gallery_store
+from service.store.postgres import redact
+from service.store.registry import locate_gallery, open_gallery_store
 
 log = logging.getLogger("snca.service")
 
@@ -58,6 +59,7 @@ class Opening:
     # the model process carries the gallery to this model (its plan, described); the front
     # plans none itself
     carried_elsewhere: str | None = None
+    store_target: str = ""  # this model's gallery store: the home store or a sibling
 
     @property
     def migrating(self) -> str | None:
@@ -113,6 +115,7 @@ def open_service(settings: Settings, metrics: Metrics, model_place: str = "threa
         adopted = None
         if settings.store_is_default and data.writable():
             adopted = data.adopt_legacy_store(settings.model)
+        data, where = _locate(settings, data, model.fingerprint, ix.manifest.index_id)
         target = Target(model.fingerprint, ix.manifest.index_id, space, ix.dim)
         # (a PostgreSQL store is checked when opened: carrying it to a new model is refused)
         p = None
@@ -131,8 +134,28 @@ def open_service(settings: Settings, metrics: Metrics, model_place: str = "threa
         runtime.close()
         raise
     return Opening(
-        runtime, ix, model.fingerprint, model.config.temperature, data, p, adopted, world
+        runtime,
+        ix,
+        model.fingerprint,
+        model.config.temperature,
+        data,
+        p,
+        adopted,
+        world,
+        store_target=where,
     )
+
+
+def _locate(settings: Settings, data: DataDir, fingerprint: str, index_id: str):
+    """(data dir, store target) of this model's gallery (store/registry.locate_gallery): the
+    home store's, or a sibling's that `snca-gallery upgrade` built."""
+    home = settings.store_url or str(settings.store_path)
+    where, path = locate_gallery(home, settings.data_dir, fingerprint, index_id)
+    if where == home:
+        return data, home
+    log.info("serving this model's gallery beside the home store: %s", redact(where))
+    store = None if settings.store_url else Path(where)
+    return DataDir(path, store or Path(path) / STORE_FILE), where
 
 
 def _open_front(settings: Settings, metrics: Metrics) -> Opening:
@@ -146,6 +169,7 @@ def _open_front(settings: Settings, metrics: Metrics) -> Opening:
         ix = open_index_dir(settings.index, expected_fingerprint=o["fingerprint"])
         world = load_world(settings, ix, o["fingerprint"])
         data = DataDir(settings.data_dir, settings.store_path)
+        data, where = _locate(settings, data, o["fingerprint"], ix.manifest.index_id)
         adopted = Path(o["adopted"]) if o["adopted"] else None
     except BaseException:
         runtime.close()
@@ -160,6 +184,7 @@ def _open_front(settings: Settings, metrics: Metrics) -> Opening:
         adopted,
         world,
         carried_elsewhere=o["migrating"],
+        store_target=where,
     )
 
 
@@ -185,7 +210,7 @@ def finish_service(
     if o.plan is not None:
         report = _migrate(o, settings, progress, status)
     ix, data = o.index, o.data
-    target = settings.store_url or settings.store_path
+    target = o.store_target or settings.store_url or settings.store_path
     store = open_gallery_store(target, ix.store, o.fingerprint, ix.manifest.index_id)
     try:
         loaded = load_gallery(store, ix.index, ix.manifest, o.fingerprint, data, snapshot=True)
@@ -322,6 +347,16 @@ def _migrate(o: Opening, settings: Settings, progress, status=None) -> Report | 
             len(r.uncarried),
             ", ".join(str(i) for i, _, _ in r.uncarried[:50]),
             r.archive,
+        )
+    from service.store.datadir import prune_previous
+
+    removed, _ = prune_previous(o.data, settings.keep_previous)
+    if removed:
+        log.info(
+            "pruned previous stores",
+            extra={
+                "fields": {"removed": [p.name for p in removed], "keep": settings.keep_previous}
+            },
         )
     return r
 

@@ -9,6 +9,7 @@ fallback). X-Min-Gallery-Version waits on `gallery.version` (deps.wait_for_versi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ from service.model.runtime import ModelRuntime
 from service.store import ChangeSet, Store, StoreCarriedAway, StoreUnavailable
 from service.store.datadir import DataDir
 from service.store.migration import Report
-from service.store.records import carried_away_message
+from service.store.records import STANDBY, StoreStandby, carried_away_message, standby_message
 
 log = logging.getLogger("snca.service")
 
@@ -64,6 +65,11 @@ class ServiceState:
         self.follow_error: str | None = None  # why the log cannot be read now (store down)
         self.rebuilds = 0  # times this replica rebuilt from the store (log truncated past it)
         self.carried_away: str | None = None  # the store was carried to another model
+        # another model's gallery is live (store/upgrade.py): writes refused, reads served
+        self.standby: str | None = None
+        with contextlib.suppress(StoreUnavailable):
+            flag = store.meta().get(STANDBY)
+            self.standby = None if flag is None else standby_message(flag)
         self._rebuild = rebuild  # () -> (VectorIndex, items, version): the start-up load again
         self._closed = False
         self.started = time.time()
@@ -99,6 +105,9 @@ class ServiceState:
             except StoreCarriedAway as e:
                 self._retire(str(e))
                 raise
+            except StoreStandby as e:
+                self.standby = str(e)  # (the follower clears it once this gallery is live)
+                raise
             except StoreUnavailable as e:
                 self.last_write_error = str(e)
                 raise
@@ -119,6 +128,9 @@ class ServiceState:
                 seq, rows = self.store.delete(ids, label)
             except StoreCarriedAway as e:
                 self._retire(str(e))
+                raise
+            except StoreStandby as e:
+                self.standby = str(e)  # (the follower clears it once this gallery is live)
                 raise
             except StoreUnavailable as e:
                 self.last_write_error = str(e)
@@ -145,6 +157,7 @@ class ServiceState:
         if cs.carried_to is not None:
             self._retire(carried_away_message(cs.carried_to))
             raise StoreCarriedAway(self.carried_away)
+        self.standby = None if cs.standby is None else standby_message(cs.standby)
         if cs.floor > g.version > 0:
             self._rebuild_locked(cs.floor)
             return g.version
@@ -242,6 +255,7 @@ class ServiceState:
     def store_writable(self) -> bool:
         return (
             self.carried_away is None
+            and self.standby is None
             and self.last_write_error is None
             and self.follow_error is None
             and self.store.unwritable() is None
@@ -251,6 +265,7 @@ class ServiceState:
         """Why the store cannot be written or followed now (None: it can)."""
         return (
             self.carried_away
+            or self.standby
             or self.last_write_error
             or self.follow_error
             or self.store.read_only

@@ -18,12 +18,18 @@ import numpy as np
 from embedding.gallery import utc_now
 from service.store import sql
 from service.store.records import (
+    CARRIED_TO,
+    STANDBY,
     ChangeSet,
     Item,
     ItemRow,
     NothingChanged,
+    StoreCarriedAway,
     StoredItem,
+    StoreStandby,
+    carried_away_message,
     new_items,
+    standby_message,
     vec,
 )
 
@@ -155,6 +161,26 @@ class Store(ABC):
         NothingChanged(result) rolls back: (0, result)."""
 
     @abstractmethod
+    def plain(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(conn) in one transaction that takes no seq and writes no log row (bookkeeping in
+        meta: the galleries' registry, an upgrade's progress); fn's result."""
+
+    def set_meta(self, conn, key: str, value: str | None) -> None:
+        """Inside a transaction: set (None: remove) a meta key."""
+        if value is None:
+            conn.execute(self.dialect.q(sql.DELETE_META), (key,))
+        else:
+            conn.execute(self.dialect.q(sql.UPSERT_META), (key, value))
+
+    def stored_items(self, ids: list[int]) -> list[StoredItem]:
+        """Every column of the live added items among `ids`, in id order."""
+        return sorted(stored_items(self._rows_of_ids(sql.STORED_OF_IDS, ids)), key=lambda it: it.id)
+
+    def existing(self, ids: list[int]) -> set[int]:
+        """The ids among `ids` that have a row (live or deleted)."""
+        return {r[0] for r in self._rows_of_ids(sql.EXISTING_OF_IDS, ids)}
+
+    @abstractmethod
     def _next_ids(self, conn, n: int) -> list[int]:
         """Inside a write: the next `n` item ids (meta 'next_id' moves past them)."""
 
@@ -209,6 +235,16 @@ class Store(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+def guard_write(meta: dict[str, str], op: str) -> None:
+    """Inside a write, under the write lock: refuse it on a store sealed by a migration
+    (StoreCarriedAway) or on a gallery on standby (StoreStandby; an upgrade's switch still
+    writes its own log row)."""
+    if CARRIED_TO in meta:
+        raise StoreCarriedAway(carried_away_message(meta[CARRIED_TO]))
+    if STANDBY in meta and op not in ("switch", "carry"):
+        raise StoreStandby(standby_message(meta[STANDBY]))
 
 
 def insert_items(conn, dialect: sql.Dialect, items: list[StoredItem], seq: int) -> None:

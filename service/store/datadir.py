@@ -3,7 +3,9 @@
     data/<model name>/                 default (or SNCA_DATA_DIR / --data-dir)
         gallery.sqlite                 the gallery store: every item, added images, thumbnails
         snapshot/                      index snapshot: start-up replays only later writes
-        previous/                      stores replaced when the model changed (never deleted)
+        previous/                      stores replaced when the model changed (pruned: the
+                                       newest SNCA_KEEP_PREVIOUS, and any that is the only
+                                       copy of an item, stay)
         gallery.sqlite.migrating       while the gallery is carried to a new model
 
 Run dirs and index dirs are build outputs, replaced whole by the next `snca-train --overwrite`
@@ -23,6 +25,7 @@ SNAPSHOT_DIR = "snapshot"  # the index snapshot's folder (service/gallery/snapsh
 
 STORE_FILE = "gallery.sqlite"
 PREVIOUS_DIR = "previous"
+KEEP_PREVIOUS = 3  # stores kept in previous/ by default (the newest ones)
 # Before the data dir existed the store lived inside the run dir, which a retrain replaces.
 LEGACY_STORE = Path("serve") / STORE_FILE
 
@@ -73,3 +76,53 @@ class DataDir:
         os.replace(tmp, self.store)
         fsync_dir(self.store.parent)
         return legacy
+
+
+def only_copies(path: Path) -> int:
+    """Live added items of the archived store at `path` that have no stored image: they could
+    not be carried to the next model, so this store is their only copy."""
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return int(
+                conn.execute(
+                    "SELECT COUNT(*) FROM items WHERE source = 'added' "
+                    "AND deleted_seq IS NULL AND image IS NULL"
+                ).fetchone()[0]
+            )
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError:
+        return -1  # unreadable: not ours to judge, kept
+
+
+def prune_previous(data: DataDir, keep: int = KEEP_PREVIOUS, dry_run: bool = False):
+    """Delete the stores in previous/ beyond the newest `keep` (at least 1: never the only
+    archive), except those that are the only copy of some item (only_copies) or that cannot be
+    read. Returns ([removed paths], [(kept path, why)])."""
+    keep = max(1, int(keep))
+    folder = data.previous
+    if not folder.is_dir():
+        return [], []
+    stores = sorted(
+        (p for p in folder.iterdir() if p.is_file() and p.suffix == ".sqlite"),
+        key=lambda p: (p.stat().st_mtime_ns, p.name),
+        reverse=True,
+    )
+    removed, kept = [], []
+    for i, p in enumerate(stores):
+        if i < keep:
+            kept.append((p, f"one of the newest {keep}"))
+            continue
+        n = only_copies(p)
+        if n != 0:
+            why = "unreadable" if n < 0 else f"the only copy of {n} items (no stored image)"
+            kept.append((p, why))
+            continue
+        if not dry_run:
+            for suffix in ("", "-wal", "-shm"):
+                Path(str(p) + suffix).unlink(missing_ok=True)
+        removed.append(p)
+    if removed and not dry_run:
+        fsync_dir(folder)
+    return removed, kept

@@ -22,11 +22,12 @@ Same tables as the SQLite store (embedding/gallery.py: meta, items, log) and the
 from __future__ import annotations
 
 import logging
+import re
 import sqlite3
 import threading
 import time
 from pathlib import Path
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from embedding.errors import ArtifactError
 from embedding.gallery import (
@@ -162,6 +163,126 @@ class PostgresStore(Store):
             )
         self.dim = int(meta.get("dim", "0"))
 
+    # ------------------------------------------------------------------ as found (tools)
+    @classmethod
+    def sibling(cls, home, gen: str) -> str:
+        """Another model's gallery `gen` beside the home database's: the same database, schema
+        snca_<gen> (named in the URL's `options`, which libpq passes to the server)."""
+        u = urlsplit(str(home))
+        query = [(k, v) for k, v in parse_qsl(u.query, keep_blank_values=True) if k != "options"]
+        query.append(("options", f"-csearch_path=snca_{gen}"))
+        return urlunsplit((u.scheme, u.netloc, u.path, urlencode(query), u.fragment))
+
+    @classmethod
+    def exists(cls, target) -> bool:
+        conn = cls._connect_to(str(target), autocommit=True)
+        try:
+            return cls._holds_gallery(conn)
+        finally:
+            conn.close()
+
+    @classmethod
+    def _connect_to(cls, url: str, autocommit: bool):
+        psycopg = _driver()
+        try:
+            return psycopg.connect(
+                url,
+                autocommit=autocommit,
+                connect_timeout=CONNECT_TIMEOUT_S,
+                client_encoding="UTF8",
+            )
+        except psycopg.Error as e:
+            raise ArtifactError(f"cannot reach {redact(url)}: {scrub(_one_line(e), url)}") from None
+
+    @classmethod
+    def _holds_gallery(cls, conn) -> bool:
+        return (
+            conn.execute(
+                "SELECT 1 FROM information_schema.tables WHERE table_name = 'meta' "
+                "AND table_schema = current_schema()"
+            ).fetchone()
+            is not None
+        )
+
+    @classmethod
+    def meta_of(cls, target) -> dict[str, str]:
+        conn = cls._connect_to(str(target), autocommit=True)
+        try:
+            if not cls._holds_gallery(conn):
+                raise ArtifactError(f"{redact(str(target))} holds no gallery")
+            return dict(conn.execute(sql.META).fetchall())
+        finally:
+            conn.close()
+
+    @classmethod
+    def dump(cls, target, dest: Path) -> None:
+        """A consistent copy of the gallery in the database at `target` into the new SQLite
+        file `dest`: every table read in one REPEATABLE READ, READ ONLY transaction."""
+        from service.store.backup import copy_rows, new_sqlite
+
+        url = str(target)
+        conn = cls._connect_to(url, autocommit=True)
+        try:
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            if not cls._holds_gallery(conn):
+                raise ArtifactError(f"{redact(url)} holds no gallery")
+            with new_sqlite(dest) as out:
+
+                def write(table, cols, rows):
+                    marks = ", ".join("?" * len(cols))
+                    out.executemany(
+                        f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({marks})",
+                        [
+                            tuple(bytes(v) if isinstance(v, memoryview) else v for v in r)
+                            for r in rows
+                        ],
+                    )
+
+                copy_rows(conn, D, write)
+        except _driver().Error as e:
+            raise ArtifactError(f"cannot copy {redact(url)}: {scrub(_one_line(e), url)}") from None
+        finally:
+            conn.close()
+
+    @classmethod
+    def load(cls, target, src: Path, check) -> None:
+        """Restore the SQLite store file `src` into the database at `target`, which must hold
+        no gallery: one transaction (under the seed lock) creates the tables, copies every row,
+        runs check(conn, dialect) and only then commits."""
+        from service.store.backup import copy_rows
+
+        url = str(target)
+        conn = cls._connect_to(url, autocommit=False)
+        try:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (SEED_LOCK,))
+                if cls._holds_gallery(conn):
+                    raise ArtifactError(
+                        f"{redact(url)} already holds a gallery: restore into an empty database"
+                    )
+                for stmt in schema_statements("postgresql"):
+                    conn.execute(stmt)
+                s = sqlite3.connect(f"file:{src}?mode=ro&immutable=1", uri=True)
+                try:
+
+                    def write(table, cols, rows):
+                        with conn.cursor().copy(
+                            f"COPY {table} ({', '.join(cols)}) FROM STDIN"
+                        ) as copy:
+                            for row in rows:
+                                copy.write_row(row)
+
+                    copy_rows(s, sql.SQLITE, write)
+                finally:
+                    s.close()
+                check(conn, D)
+        except _driver().Error as e:
+            raise ArtifactError(
+                f"cannot restore into {redact(url)}: {scrub(_one_line(e), url)}"
+            ) from None
+        finally:
+            conn.close()
+
     # ------------------------------------------------------------------ connections
     def _connect(self, autocommit: bool = False):
         try:
@@ -205,8 +326,12 @@ class PostgresStore(Store):
             self._conn = None
 
     def _seed_once(self, seed: Path | None) -> None:
+        schema = schema_of(self._dsn)
+
         def fn(conn):
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (SEED_LOCK,))
+            if schema is not None:  # a sibling gallery (galleries.py): its schema first
+                conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
             exists = conn.execute(
                 "SELECT 1 FROM information_schema.tables WHERE table_name = 'meta' "
                 "AND table_schema = current_schema()"
@@ -314,7 +439,8 @@ class PostgresStore(Store):
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                 meta = dict(
                     conn.execute(
-                        "SELECT key, value FROM meta WHERE key IN ('last_seq', 'log_floor')"
+                        "SELECT key, value FROM meta WHERE key IN "
+                        "('last_seq', 'log_floor', 'standby')"
                     ).fetchall()
                 )
                 rows = conn.execute(D.q(sql.CHANGES), (after, after, after)).fetchall()
@@ -325,6 +451,7 @@ class PostgresStore(Store):
             int(meta["last_seq"]),
             int(meta.get("log_floor", 0)),
             records.changes_from_rows(rows, after),
+            standby=meta.get(records.STANDBY),
         )
 
     def log_gaps(self) -> tuple[int, int, list[int]]:
@@ -358,14 +485,10 @@ class PostgresStore(Store):
         transaction; fn raising records.NothingChanged(result) rolls back: (0, result)."""
 
         def run(conn):
-            seq = (
-                int(
-                    conn.execute(
-                        "SELECT value FROM meta WHERE key = 'last_seq' FOR UPDATE"
-                    ).fetchone()[0]
-                )
-                + 1
-            )
+            # the counter row locked first: writers (and a switch) run one after another
+            conn.execute("SELECT value FROM meta WHERE key = 'last_seq' FOR UPDATE").fetchone()
+            base.guard_write(dict(conn.execute(sql.WRITE_GUARDS).fetchall()), op)
+            seq = int(conn.execute(sql.LAST_SEQ).fetchone()[0]) + 1
             result = fn(conn, seq)
             conn.execute(D.q(sql.SET_META), (str(seq), "last_seq"))
             conn.execute(D.q(sql.INSERT_LOG), (seq, op, int(count(result)), utc_now(), new_token()))
@@ -376,6 +499,10 @@ class PostgresStore(Store):
             return self._run(run)
         except records.NothingChanged as e:  # (the transaction block rolled back)
             return 0, e.args[0] if e.args else None
+
+    def plain(self, fn):
+        """fn(conn) in one transaction with no seq and no log row (SqliteStore.plain)."""
+        return self._run(fn)
 
     def _next_ids(self, conn, n: int) -> list[int]:
         row = conn.execute("SELECT value FROM meta WHERE key = 'next_id' FOR UPDATE").fetchone()
@@ -429,6 +556,17 @@ def _copy_seed(conn, seed: Path) -> int:
     with conn.cursor() as cur:
         cur.executemany("INSERT INTO meta (key, value) VALUES (%s, %s)", sorted(meta.items()))
     return n
+
+
+def schema_of(url: str) -> str | None:
+    """The schema a sibling gallery's URL names (`options=-csearch_path=snca_<gen>`), else
+    None (the database's default schema: the home gallery)."""
+    for k, v in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+        if k == "options":
+            m = re.fullmatch(r"-c\s*search_path=(snca_[0-9a-z_]+)", v.strip())
+            if m:
+                return m.group(1)
+    return None
 
 
 def _one_line(e: Exception) -> str:

@@ -21,6 +21,26 @@ class StoreCarriedAway(StoreUnavailable):
 # meta key set on a store that a migration carried to a new model, in the same transaction as
 # its last write: every later write on it is refused (JSON: fingerprint, index_id, at)
 CARRIED_TO = "carried_to"
+# meta key of a gallery that is on standby (service/store/upgrade.py): another model's gallery
+# is the live one; writes are refused, the log is still followed (it is carried into)
+STANDBY = "standby"
+
+
+class StoreStandby(StoreUnavailable):
+    """The gallery is on standby: another model's gallery is live (an upgrade switched to it,
+    or one is being built from this one). Writes answer 503; reads go on."""
+
+
+def standby_message(value: str) -> str:
+    try:
+        live = json.loads(value)
+        what = f"model {str(live.get('model_fingerprint', '?'))[:19]}... ({live.get('gen')})"
+    except (ValueError, AttributeError):
+        what = "another model"
+    return (
+        f"this gallery is on standby: the live gallery is {what}; write through the replicas "
+        "of the live model (snca-gallery galleries lists them)"
+    )
 
 
 def carried_away_message(value: str) -> str:
@@ -103,6 +123,7 @@ class ChangeSet:
     floor: int
     changes: list[Change]
     carried_to: str | None = None
+    standby: str | None = None  # STANDBY's value: writes are refused (not carried away)
 
 
 def changes_from_rows(rows, after: int) -> list[Change]:

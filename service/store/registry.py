@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from service.store.base import Store
+from service.store.galleries import gallery_key, gen_of, sibling_data_dir
 from service.store.postgres import PostgresStore
 from service.store.sqlite import SqliteStore
 
@@ -25,3 +26,35 @@ def open_gallery_store(
     """The service's store at `target` (a URL, or a SQLite file), seeded from `seed` (the
     index dir's store) when it is new."""
     return BACKENDS[backend_of(target)](target, seed, fingerprint, index_id)
+
+
+def backend_class(target: str | Path) -> type:
+    """The backend class that opens `target` (for its classmethods: meta_of, dump, load)."""
+    return BACKENDS[backend_of(target)]
+
+
+def open_as_found(target: str | Path) -> Store:
+    """The store at `target` opened for the model it belongs to (housekeeping needs no
+    model: compaction, backups)."""
+    cls = backend_class(target)
+    meta = cls.meta_of(target)
+    return cls(target, None, meta.get("model_fingerprint", ""), meta.get("index_id", ""))
+
+
+def locate_gallery(
+    home: str | Path, data_dir: Path, fingerprint: str, index_id: str
+) -> tuple[str, Path]:
+    """(store target, data dir) of this model's gallery: the home store when it belongs to
+    the model (or does not exist yet), else the sibling an upgrade registered for it
+    (galleries.py), else the home store again (SQLite: carried at start-up; PostgreSQL:
+    refused, naming `snca-gallery upgrade`)."""
+    cls = backend_class(home)
+    if not cls.exists(home):
+        return str(home), Path(data_dir)
+    meta = cls.meta_of(home)
+    if (meta.get("model_fingerprint"), meta.get("index_id")) == (fingerprint, index_id):
+        return str(home), Path(data_dir)
+    gen = gen_of(fingerprint, index_id)
+    if gallery_key(gen) in meta:
+        return cls.sibling(home, gen), sibling_data_dir(data_dir, gen)
+    return str(home), Path(data_dir)

@@ -29,6 +29,13 @@ META = "SELECT key, value FROM meta"
 META_KEY = "SELECT value FROM meta WHERE key = {p}"
 LAST_SEQ = "SELECT value FROM meta WHERE key = 'last_seq'"
 SET_META = "UPDATE meta SET value = {p} WHERE key = {p}"
+UPSERT_META = (
+    "INSERT INTO meta (key, value) VALUES ({p}, {p}) "
+    "ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+)
+DELETE_META = "DELETE FROM meta WHERE key = {p}"
+# the meta keys a write reads with the counter: the seal of a migration, the standby flag
+WRITE_GUARDS = "SELECT key, value FROM meta WHERE key IN ('last_seq', 'carried_to', 'standby')"
 LOG_TOKEN = "SELECT token FROM log WHERE seq = {p}"
 LOG_SEQS = "SELECT seq FROM log"
 INSERT_LOG = "INSERT INTO log (seq, op, items, at, token) VALUES ({p}, {p}, {p}, {p}, {p})"
@@ -64,6 +71,14 @@ ADDED_ITEMS = (
     f"SELECT {COLUMNS} FROM items WHERE source = 'added' AND deleted_seq IS NULL "
     "AND id > {p} ORDER BY id LIMIT {p}"
 )
+STORED_OF_IDS = (
+    f"SELECT {COLUMNS} FROM items WHERE source = 'added' AND deleted_seq IS NULL "
+    "AND id IN ({ids})"
+)
+SOURCE_KEYS_OF_IDS = "SELECT id, source, metadata FROM items WHERE id IN ({ids})"
+LIVE_TRAINED = "SELECT id, metadata FROM items WHERE source = 'trained' AND deleted_seq IS NULL"
+LIVE_ADDED_IDS = "SELECT id FROM items WHERE source = 'added' AND deleted_seq IS NULL"
+EXISTING_OF_IDS = "SELECT id FROM items WHERE id IN ({ids})"
 THUMBNAIL = "SELECT thumbnail FROM items WHERE id = {p} AND deleted_seq IS NULL"
 INSERT_ITEM = f"INSERT INTO items ({COLUMNS}, add_seq) VALUES (" + ", ".join(["{p}"] * 11) + ")"
 LIVE_OF_LABEL = "SELECT id FROM items WHERE label = {p} AND deleted_seq IS NULL"

@@ -111,6 +111,74 @@ class SqliteStore(Store):
             )
         self.dim = int(meta.get("dim", "0"))
 
+    # ------------------------------------------------------------------ as found (tools)
+    @classmethod
+    def sibling(cls, home, gen: str) -> str:
+        """Where another model's gallery `gen` lives beside the home store `home`
+        (service/store/galleries.py): HOME_DIR/galleries/<gen>/gallery.sqlite."""
+        return str(Path(home).parent / "galleries" / gen / Path(home).name)
+
+    @classmethod
+    def exists(cls, target) -> bool:
+        return Path(target).is_file()
+
+    @classmethod
+    def meta_of(cls, target) -> dict[str, str]:
+        """The meta table of the store at `target` as it is (no model needed: housekeeping)."""
+        path = Path(target)
+        conn = open_unwritable(path) if on_read_only_fs(path) else open_store(path, readonly=True)
+        try:
+            return read_meta(conn)
+        finally:
+            conn.close()
+
+    @classmethod
+    def dump(cls, target, dest: Path) -> None:
+        """A consistent copy of the live store at `target` into the new file `dest`: VACUUM
+        INTO runs in one read transaction (writers in WAL mode do not wait for it); the copy
+        is brought to this version's schema."""
+        path = Path(target)
+        conn = open_unwritable(path) if on_read_only_fs(path) else open_store(path, readonly=True)
+        try:
+            conn.execute("VACUUM INTO ?", (str(dest),))
+        except sqlite3.DatabaseError as e:
+            raise ArtifactError(f"cannot copy the gallery store {path}: {e}") from None
+        finally:
+            conn.close()
+        out = sqlite3.connect(dest, isolation_level=None)
+        try:
+            migrate_store(out)
+        finally:
+            out.close()
+
+    @classmethod
+    def load(cls, target, src: Path, check) -> None:
+        """Restore the store file `src` to `target`, which must not exist: copied beside it,
+        check(conn, dialect) run on the copy, then linked into place (never over a file)."""
+        path = Path(target)
+        if path.exists():
+            raise ArtifactError(
+                f"{path} exists: restore into an empty data dir (or name a new store file)"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.restore-{os.getpid()}")
+        shutil.copyfile(src, tmp)
+        try:
+            conn = sqlite3.connect(tmp)
+            try:
+                check(conn, D)
+            finally:
+                conn.close()
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # fails if a store appeared meanwhile: nothing overwritten
+            except FileExistsError:
+                raise ArtifactError(f"{path} appeared while restoring: left as it is") from None
+            fsync_dir(path.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def _on_read_only_fs(self) -> bool:
         return on_read_only_fs(self.path)
 
@@ -257,8 +325,9 @@ class SqliteStore(Store):
                 try:
                     meta = dict(
                         conn.execute(
-                            "SELECT key, value FROM meta WHERE key IN ('last_seq', 'log_floor', ?)",
-                            (records.CARRIED_TO,),
+                            "SELECT key, value FROM meta WHERE key IN "
+                            "('last_seq', 'log_floor', ?, ?)",
+                            (records.CARRIED_TO, records.STANDBY),
                         )
                     )
                     rows = conn.execute(D.q(sql.CHANGES), (after, after, after)).fetchall()
@@ -271,6 +340,7 @@ class SqliteStore(Store):
             int(meta.get("log_floor", 0)),
             records.changes_from_rows(rows, after),
             meta.get(records.CARRIED_TO),
+            meta.get(records.STANDBY),
         )
 
     def log_gaps(self) -> tuple[int, int, list[int]]:
@@ -364,16 +434,8 @@ class SqliteStore(Store):
             try:
                 self.conn.execute("BEGIN IMMEDIATE")
                 try:
-                    meta = dict(
-                        self.conn.execute(
-                            "SELECT key, value FROM meta WHERE key IN ('last_seq', ?)",
-                            (records.CARRIED_TO,),
-                        )
-                    )
-                    if records.CARRIED_TO in meta:  # under the write lock: no write after the seal
-                        raise records.StoreCarriedAway(
-                            records.carried_away_message(meta[records.CARRIED_TO])
-                        )
+                    meta = dict(self.conn.execute(sql.WRITE_GUARDS))
+                    base.guard_write(meta, op)  # under the write lock: the seal, the standby
                     seq = int(meta["last_seq"]) + 1
                     try:
                         result = fn(self.conn, seq)
@@ -398,6 +460,27 @@ class SqliteStore(Store):
             except sqlite3.DatabaseError as e:
                 raise records.StoreUnavailable(f"the gallery store failed: {e}") from None
             return seq, result
+
+    def plain(self, fn):
+        """fn(conn) in one IMMEDIATE transaction with no seq and no log row (meta bookkeeping:
+        the galleries' registry, an upgrade's progress); fn's result."""
+        with self._lock:
+            self._check_retired()
+            self._ensure_writable()
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    result = fn(self.conn)
+                    self.conn.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        self.conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.DatabaseError as e:
+                raise records.StoreUnavailable(
+                    f"the gallery store cannot be written: {e}"
+                ) from None
+            return result
 
     def _next_ids(self, conn, n: int) -> list[int]:
         return allocate_ids(conn, n)

@@ -96,7 +96,82 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("out", type=Path, help="a new or empty folder")
     _shared_flags(exp)
-    for x in (imp, exp):
+    up = sub.add_parser(
+        "upgrade",
+        help="build --to's gallery beside the live one (re-embedding every stored image, then "
+        "following the log), resumable; --switch makes it the live gallery",
+        argument_default=argparse.SUPPRESS,
+    )
+    up.add_argument("--to", type=Path, required=True, help="the new model's run dir")
+    up.add_argument("--to-index", type=Path, help="its index dir (default TO/index)")
+    up.add_argument(
+        "--switch",
+        action="store_true",
+        help="then make it the live gallery (the old one goes on standby, for rollback)",
+    )
+    up.add_argument(
+        "--batch-size", type=positive_int, default=64, help="images per write (default 64)"
+    )
+    _shared_flags(up)
+    rb = sub.add_parser(
+        "rollback",
+        help="switch back to the previous gallery (carrying the writes made since into it)",
+        argument_default=argparse.SUPPRESS,
+    )
+    _shared_flags(rb)
+    gl = sub.add_parser(
+        "galleries",
+        help="list the store's galleries: live, standby, how far",
+        argument_default=argparse.SUPPRESS,
+    )
+    _shared_flags(gl)
+    bk = sub.add_parser(
+        "backup",
+        help="a consistent copy of a live gallery (images, log position, model) with its checksum",
+        argument_default=argparse.SUPPRESS,
+    )
+    bk.add_argument("out", type=Path, help="a new or empty folder")
+    ve = sub.add_parser(
+        "verify",
+        help="check a backup's file and gallery checksums",
+        argument_default=argparse.SUPPRESS,
+    )
+    ve.add_argument("backup", type=Path, help="a folder `snca-gallery backup` wrote")
+    ve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    rs = sub.add_parser(
+        "restore",
+        help="verify a backup, then restore it into an empty data dir or database",
+        argument_default=argparse.SUPPRESS,
+    )
+    rs.add_argument("backup", type=Path, help="a folder `snca-gallery backup` wrote")
+    _shared_flags(rs)
+    co = sub.add_parser(
+        "compact",
+        help="move the log's floor: forget deleted items' rows and old log rows",
+        argument_default=argparse.SUPPRESS,
+    )
+    co.add_argument(
+        "--upto", type=int, help="the write the log starts after (default: the head minus --keep)"
+    )
+    co.add_argument(
+        "--keep", type=int, default=1000, help="the last N writes stay in the log (default 1000)"
+    )
+    pr = sub.add_parser(
+        "prune",
+        help="delete the oldest stores in DATA_DIR/previous/ (never the newest, never an only copy)",
+        argument_default=argparse.SUPPRESS,
+    )
+    pr.add_argument(
+        "--keep", type=positive_int, help="stores kept, newest first (SNCA_KEEP_PREVIOUS, 3)"
+    )
+    pr.add_argument("--dry-run", action="store_true", help="say what would be removed")
+    _shared_flags(pr)
+    for x in (bk, co):
+        _shared_flags(x)
+        x.add_argument(
+            "--gallery", help="a gallery's gen (snca-gallery galleries; default: the live one)"
+        )
+    for x in (imp, exp, up, rb):
         x.add_argument(
             "--progress",
             action=argparse.BooleanOptionalAction,
@@ -484,7 +559,11 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(args.get("log_level", "warning"))
         if args["cmd"] == "import":
             return import_images(args)
-        return export_items(args)
+        if args["cmd"] == "export":
+            return export_items(args)
+        from service.tools.gallery_ops import COMMANDS
+
+        return COMMANDS[args["cmd"]]({k.replace("-", "_"): v for k, v in args.items()})
     except ImportError as e:
         print(f"snca-gallery: error: {e} (pip install 'snca[serve]')", file=sys.stderr)
         return 2

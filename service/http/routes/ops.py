@@ -43,6 +43,8 @@ async def readyz(request: Request):
     model_down = state.runtime.problem()  # the model process restarting
     writable = state.store_writable()
     status = "ready" if writable and model_down is None else "degraded"
+    if state.standby is not None:  # another model's gallery is live: take no traffic
+        status = "standby"
     code = 200 if status == "ready" else 503
     if not may_read(request):  # SNCA_PROTECT_READS without the key: the status only
         body = {"status": status, "store_writable": writable, "access": scope_of(request)}

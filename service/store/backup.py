@@ -1,0 +1,251 @@
+"""Backups of a live gallery, and restoring one into an empty store (snca-gallery backup /
+restore / verify).
+
+A backup is a folder:
+
+    OUT/gallery.sqlite     every table of the store (meta, items with their images, the log),
+                           as a SQLite store whatever the source backend
+    OUT/backup.json        format, the source (no secret), the log position (last_seq and that
+                           write's token), the model fingerprint and index build, item counts,
+                           the gallery checksum at that position, the file's sha256
+
+Consistency: the copy is one read transaction of the source (SQLite: `VACUUM INTO`, a read
+transaction that writers never wait for in WAL mode; PostgreSQL: one REPEATABLE READ, READ ONLY
+transaction), so it is the store exactly as it was after write `last_seq`. The promise: every
+write acknowledged before the backup started is in it (its commit came before the transaction
+began), and no write is in it partly.
+
+The checksum (`gallery_checksum`) is sha256 over every item live after write `at` (added by a
+write <= at and not deleted by one <= at), in id order, every column: it can be computed on the
+live source later too (rows keep the writes that added and deleted them), as long as the log
+was not compacted past `at`. A restore checks the file's sha256 and the checksum before it
+writes anything, and again on what it wrote, before that is committed (PostgreSQL) or renamed
+into place (SQLite).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+from embedding.artifacts import atomic_write_json, fsync_dir
+from embedding.errors import ArtifactError
+from embedding.gallery import ITEM_COLUMNS, utc_now
+from service.store import sql
+
+FORMAT = "snca-gallery-backup/1"
+STORE_NAME = "gallery.sqlite"
+MANIFEST = "backup.json"
+ALL_COLUMNS = (*ITEM_COLUMNS, "add_seq", "deleted_seq")
+LOG_COLUMNS = ("seq", "op", "items", "at", "token")
+PAGE = 1000  # item rows read at a time (images included: bounded memory)
+
+LIVE_AT = (
+    f"SELECT {sql.COLUMNS}, add_seq FROM items WHERE add_seq <= {{p}} "
+    "AND (deleted_seq IS NULL OR deleted_seq > {p}) AND id > {p} ORDER BY id LIMIT {p}"
+)
+
+
+def _value(h, v) -> None:
+    """One column into the hash: a type tag, the length and the bytes (no two rows collide by
+    shifting bytes between columns)."""
+    if v is None:
+        h.update(b"N")
+        return
+    if isinstance(v, memoryview):
+        v = bytes(v)
+    if isinstance(v, int):
+        b, tag = str(v).encode(), b"I"
+    elif isinstance(v, str):
+        b, tag = v.encode(), b"T"
+    else:
+        b, tag = bytes(v), b"B"
+    h.update(tag + len(b).to_bytes(8, "little") + b)
+
+
+def gallery_checksum(conn, dialect: sql.Dialect, at: int) -> tuple[str, int]:
+    """(sha256 hex, item count) of the gallery as it stood after write `at` (see the module
+    docstring), read on `conn` (a sqlite3 or psycopg connection, inside the caller's
+    transaction if any)."""
+    floor = conn.execute(dialect.q(sql.META_KEY), ("log_floor",)).fetchone()
+    if floor is not None and int(floor[0]) > at:
+        raise ArtifactError(
+            f"the store's log was compacted up to write {floor[0]}, past write {at}: the gallery "
+            "as it stood then cannot be read any more"
+        )
+    h = hashlib.sha256(b"snca-gallery/1")
+    after, n = -(2**62), 0
+    q = dialect.q(LIVE_AT)
+    while True:
+        rows = conn.execute(q, (at, at, after, PAGE)).fetchall()
+        for row in rows:
+            for v in row:
+                _value(h, v)
+        n += len(rows)
+        if len(rows) < PAGE:
+            return h.hexdigest(), n
+        after = rows[-1][0]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _meta(conn) -> dict[str, str]:
+    return dict(conn.execute("SELECT key, value FROM meta").fetchall())
+
+
+def _counts(conn, at: int) -> dict[str, int]:
+    live = "add_seq <= ? AND (deleted_seq IS NULL OR deleted_seq > ?)"
+    rows = conn.execute(
+        f"SELECT source, COUNT(*), COUNT(image) FROM items WHERE {live} GROUP BY source", (at, at)
+    ).fetchall()
+    by = {r[0]: (r[1], r[2]) for r in rows}
+    return {
+        "items": sum(v[0] for v in by.values()),
+        "added": by.get("added", (0, 0))[0],
+        "added_with_image": by.get("added", (0, 0))[1],
+    }
+
+
+def _open_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ArtifactError(f"{out} exists and is not an empty folder: give a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def backup(backend, target: str, url: str, out: Path, say=print) -> dict:
+    """Copy the live store at `target` (shown as `url`) into the new folder `out` through
+    `backend.dump`; the manifest (backup.json) it wrote."""
+    out = Path(out)
+    _open_out(out)
+    part = out / f".{STORE_NAME}.partial"
+    part.unlink(missing_ok=True)
+    say(f"copying {url} ...")
+    backend.dump(target, part)
+    conn = sqlite3.connect(f"file:{part}?mode=ro", uri=True)
+    try:
+        meta = _meta(conn)
+        at = int(meta["last_seq"])
+        token = conn.execute("SELECT token FROM log WHERE seq = ?", (at,)).fetchone()
+        digest, n = gallery_checksum(conn, sql.SQLITE, at)
+        counts = _counts(conn, at)
+    finally:
+        conn.close()
+    with open(part, "rb+") as f:
+        os.fsync(f.fileno())
+    manifest = {
+        "format": FORMAT,
+        "created_at": utc_now(),
+        "source": url,
+        "backend": backend.__name__,
+        "last_seq": at,
+        "token": token[0] if token else None,
+        "log_floor": int(meta.get("log_floor", 0)),
+        "model_fingerprint": meta.get("model_fingerprint"),
+        "index_id": meta.get("index_id"),
+        "dim": int(meta.get("dim", 0)),
+        "schema_version": meta.get("schema_version"),
+        **counts,
+        "checksum": digest,
+        "file": STORE_NAME,
+        "file_sha256": file_sha256(part),
+    }
+    assert n == counts["items"]
+    os.replace(part, out / STORE_NAME)
+    atomic_write_json(out / MANIFEST, manifest)  # last: a folder without it is no backup
+    fsync_dir(out)
+    return manifest
+
+
+def verify(folder: Path) -> dict:
+    """The manifest of the backup in `folder`, once its file's sha256 and its gallery checksum
+    are what the manifest says; ArtifactError naming what differs."""
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{folder} holds no {MANIFEST}: not a (complete) backup") from None
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{folder / MANIFEST} cannot be read: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise ArtifactError(
+            f"{folder} is a backup of format {manifest.get('format')!r}, not {FORMAT}"
+        )
+    path = folder / STORE_NAME
+    if not path.is_file():
+        raise ArtifactError(f"{path} is missing")
+    if file_sha256(path) != manifest["file_sha256"]:
+        raise ArtifactError(f"{path} does not match its sha256 in {MANIFEST}: the file changed")
+    conn = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+    try:
+        digest, n = gallery_checksum(conn, sql.SQLITE, int(manifest["last_seq"]))
+    except sqlite3.DatabaseError as e:
+        raise ArtifactError(f"{path} is not a readable gallery store: {e}") from None
+    finally:
+        conn.close()
+    if digest != manifest["checksum"] or n != manifest["items"]:
+        raise ArtifactError(f"{path}: the gallery's checksum is not the one {MANIFEST} records")
+    return manifest
+
+
+def restore(backend, folder: Path, target: str, url: str, say=print) -> dict:
+    """Verify the backup in `folder`, then write it into the empty store at `target` (shown as
+    `url`) through `backend.load`, which calls back to check the checksum of what it wrote
+    before making it visible; the manifest."""
+    manifest = verify(folder)
+    at, want = int(manifest["last_seq"]), manifest["checksum"]
+    say(f"backup verified: {manifest['items']} items at write {at}; restoring into {url} ...")
+
+    def check(conn, dialect: sql.Dialect) -> None:
+        # a restored store stands alone: no other galleries' registry, alias, carry state or
+        # standby flag of the place it was copied from (items and log are untouched)
+        for pattern in ("gallery:%", "alias:%", "carry:%"):
+            conn.execute(dialect.q("DELETE FROM meta WHERE key LIKE {p}"), (pattern,))
+        conn.execute(dialect.q(sql.DELETE_META), ("standby",))
+        got, _ = gallery_checksum(conn, dialect, at)
+        if got != want:
+            raise ArtifactError(f"the restored gallery's checksum {got[:16]} is not the backup's")
+
+    backend.load(target, Path(folder) / STORE_NAME, check)
+    return manifest
+
+
+def copy_rows(
+    src, src_d: sql.Dialect, write: Callable[[str, tuple[str, ...], list[tuple]], None]
+) -> None:
+    """Every row of meta, items and log on `src`, handed to `write(table, columns, rows)` a
+    page at a time (items in id order)."""
+    write("meta", ("key", "value"), src.execute("SELECT key, value FROM meta").fetchall())
+    cols = ", ".join(ALL_COLUMNS)
+    after = -(2**62)
+    q = src_d.q(f"SELECT {cols} FROM items WHERE id > {{p}} ORDER BY id LIMIT {{p}}")
+    while rows := src.execute(q, (after, PAGE)).fetchall():
+        write("items", ALL_COLUMNS, rows)
+        after = rows[-1][0]
+    write("log", LOG_COLUMNS, src.execute(f"SELECT {', '.join(LOG_COLUMNS)} FROM log").fetchall())
+
+
+@contextlib.contextmanager
+def new_sqlite(path: Path):
+    """A new SQLite store file at `path` with the schema's tables, in one transaction."""
+    from embedding.gallery import schema_statements
+
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN")
+        for stmt in schema_statements("sqlite"):
+            conn.execute(stmt)
+        yield conn
+        conn.execute("COMMIT")
+    finally:
+        conn.close()

@@ -1,0 +1,85 @@
+"""Several models' galleries in one store location, and the alias that names the live one.
+
+The home store is what SNCA_STORE / the data dir names (DATA_DIR/gallery.sqlite, or a
+PostgreSQL database's default schema). `snca-gallery upgrade` builds another model's gallery
+beside it, a sibling:
+
+    SQLite       DATA_DIR/galleries/<gen>/gallery.sqlite   (its own snapshot/ beside it)
+    PostgreSQL   schema snca_<gen> of the same database   (snapshots in DATA_DIR/galleries/<gen>/)
+
+where <gen> names the model and index build (gen_of). The home store's meta holds the registry:
+`gallery:<gen>` (model fingerprint, index build, run and index dirs) for every gallery, and
+`alias:live` (the live gallery's gen, the previous one, when). A server started with a model
+serves that model's gallery (home or sibling); only the live one takes writes, the others are on
+standby (records.STANDBY) and are kept up to date by `snca-gallery upgrade`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from embedding.gallery import utc_now
+from service.store import sql
+from service.store.base import Store
+
+ALIAS = "live"
+GALLERIES_DIR = "galleries"
+
+
+def gen_of(fingerprint: str, index_id: str) -> str:
+    """A short name for a model and index build, safe in a file name and a SQL identifier."""
+    fp = re.sub(r"[^0-9a-z]", "", fingerprint.split(":")[-1].lower())[:12]
+    ix = re.sub(r"[^0-9a-z]", "", index_id.lower())[:8]
+    return f"{fp}_{ix}"
+
+
+def gallery_key(gen: str) -> str:
+    return f"gallery:{gen}"
+
+
+def alias_key(name: str = ALIAS) -> str:
+    return f"alias:{name}"
+
+
+def registry(home: Store) -> dict[str, dict]:
+    """gen -> the registered gallery (model_fingerprint, index_id, model_dir, index_dir,
+    created_at), from the home store's meta."""
+    rows = home._select(
+        home.dialect.q("SELECT key, value FROM meta WHERE key LIKE {p}"), ("gallery:%",)
+    )
+    return {k.split(":", 1)[1]: json.loads(v) for k, v in rows}
+
+
+def alias(home: Store, name: str = ALIAS) -> dict | None:
+    """The alias `name` ({gen, previous, switched_at}) or None (never switched: home is live)."""
+    rows = home._select(home.dialect.q(sql.META_KEY), (alias_key(name),))
+    return json.loads(rows[0][0]) if rows else None
+
+
+def live_gen(home: Store) -> str:
+    """The gen of the gallery that takes writes: the alias's, else the home store's own."""
+    a = alias(home)
+    if a is not None:
+        return a["gen"]
+    m = home.meta()
+    return gen_of(m["model_fingerprint"], m["index_id"])
+
+
+def register(home: Store, gen: str, info: dict) -> None:
+    """Record a gallery in the home store's registry (kept: its first created_at)."""
+    have = registry(home).get(gen, {})
+    info = {**info, "created_at": have.get("created_at", utc_now())}
+    home.plain(lambda c: home.set_meta(c, gallery_key(gen), json.dumps(info, sort_keys=True)))
+
+
+def set_alias(home: Store, gen: str, previous: str | None, name: str = ALIAS) -> dict:
+    value = {"gen": gen, "previous": previous, "switched_at": utc_now()}
+    home.plain(lambda c: home.set_meta(c, alias_key(name), json.dumps(value, sort_keys=True)))
+    return value
+
+
+def sibling_data_dir(data_dir: Path, gen: str) -> Path:
+    """The folder of a sibling gallery's snapshots (and, on SQLite, its store file)."""
+    return Path(data_dir) / GALLERIES_DIR / gen
