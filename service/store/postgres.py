@@ -432,21 +432,22 @@ class PostgresStore(Store):
         return self._follow(fn)
 
     def changes_after(self, after: int) -> ChangeSet:
-        """Every write after `after`, in seq order, from one REPEATABLE READ snapshot."""
+        """Every write after `after`, in seq order, from one REPEATABLE READ snapshot. Read on
+        the store's own connection, not the listening one: a follower thread waits on that one
+        (wait_head) for up to a second at a time, and a reader that must catch up now (the
+        model process before answering a write's sync) would wait behind it, or starve."""
 
-        def fn(conn):
-            with conn.transaction():
-                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                meta = dict(
-                    conn.execute(
-                        "SELECT key, value FROM meta WHERE key IN "
-                        "('last_seq', 'log_floor', 'standby')"
-                    ).fetchall()
-                )
-                rows = conn.execute(D.q(sql.CHANGES), (after, after, after)).fetchall()
+        def fn(conn):  # (in the transaction _run began: its isolation set before any query)
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            meta = dict(
+                conn.execute(
+                    "SELECT key, value FROM meta WHERE key IN ('last_seq', 'log_floor', 'standby')"
+                ).fetchall()
+            )
+            rows = conn.execute(D.q(sql.CHANGES), (after, after, after)).fetchall()
             return meta, rows
 
-        meta, rows = self._follow(fn)  # (records.vec reads psycopg's memoryviews as they are)
+        meta, rows = self._run(fn)  # (records.vec reads psycopg's memoryviews as they are)
         return ChangeSet(
             int(meta["last_seq"]),
             int(meta.get("log_floor", 0)),

@@ -39,3 +39,37 @@ def test_sql_ascii_database_owned_by_a_plain_role_seeds_writes_and_follows(postg
         assert store.items(ids)[ids[1]][0] == "café"
     finally:
         store.close()
+
+
+def test_a_catch_up_never_waits_behind_the_followers_long_poll(postgres, base_run):  # noqa: F811
+    """A follower thread sits in wait_head (up to its timeout) on the listening connection;
+    changes_after, which a model process calls before it answers a write's sync, must not wait
+    for it. It did: every add through a model process on PostgreSQL took 1 to 7 s (the reader
+    waited on the follower's lock, which the follower kept taking back first)."""
+    import threading
+
+    seed = base_run / "index" / "gallery.sqlite"
+    meta = dict(sqlite3.connect(seed).execute("SELECT key, value FROM meta"))
+    store = PostgresStore(
+        postgres.new_database(), seed, meta["model_fingerprint"], meta["index_id"]
+    )
+    try:
+        seq, ids = store.add("x", np.eye(1, store.dim, dtype=np.float32), [None], [None])
+        waiting = threading.Event()
+        done = threading.Event()
+
+        def follower():
+            waiting.set()
+            store.wait_head(seq, 30.0)  # nothing else is written: waits the whole 30 s
+            done.set()
+
+        t = threading.Thread(target=follower, daemon=True)
+        t.start()
+        waiting.wait()
+        threading.Event().wait(0.5)  # (the follower is inside its long poll now)
+        cs = store.changes_after(0)
+        assert [c.ids for c in cs.changes] == [ids]
+        assert not done.is_set()  # answered while the follower still waits
+    finally:
+        store.close()  # (ends the long poll within a second)
+        t.join(timeout=5)
