@@ -165,7 +165,10 @@ def upgrade(args: dict, say=print) -> int:
             flag = json.dumps({"gen": live, "model_fingerprint": sm["model_fingerprint"]})
             tstore.plain(lambda c: tstore.set_meta(c, STANDBY, flag))
         register(h, gen, info)
-        tsettings = settings_of(args, model=to, index=to_index, model_process=False)
+        # (no warm-up of every batch size, no fused copies: serving latency, not bulk work)
+        tsettings = settings_of(
+            args, model=to, index=to_index, model_process=False, warmup_seconds=0.0, fused_batches=0
+        )
         world = load_world(tsettings, ix, model.fingerprint)
         runtime = ModelRuntime.load(tsettings, model, ix.manifest.space, world=world is not None)
 

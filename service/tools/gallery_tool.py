@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     ve.add_argument("backup", type=Path, help="a folder `snca-gallery backup` wrote")
-    ve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    _shared_flags(ve)  # (accepted for uniformity: a backup folder is all it reads)
     rs = sub.add_parser(
         "restore",
         help="verify a backup, then restore it into an empty data dir or database",

@@ -30,15 +30,16 @@ class Backend:
     def __init__(self, kind: str, tmp: Path, pg=None):
         self.kind, self.tmp = kind, tmp
         self.url = pg.new_database() if kind == "postgresql" else None
+        self.pg = pg
         self.n = 0
 
-    def start(self, run: Path, *extra, env=None) -> Server:
+    def start(self, run: Path, *extra, env=None, **kw) -> Server:
         self.n += 1
         if self.kind == "sqlite":  # one data dir: the store file and its snapshots
-            return Server(run, self.tmp / "data", env, *extra)
+            return Server(run, self.tmp / "data", env, *extra, **kw)
         d = self.tmp / f"replica-{self.n}"
         d.mkdir(exist_ok=True)
-        return Server(run, d / "data", env, "--store", self.url, *extra)
+        return Server(run, d / "data", env, "--store", self.url, *extra, **kw)
 
     def log_rows(self) -> tuple[int, int, list[int]]:
         """(log floor, last seq, seqs in (floor, last] missing from the log)."""

@@ -1,0 +1,322 @@
+"""Day two on a live gallery, on SQLite and on a real PostgreSQL, with real server processes
+and the real `snca-gallery` commands: a backup taken while a server writes restores to the same
+gallery; a model upgrade while writers write to an old replica, SIGKILLed half-way and resumed,
+then switched and rolled back, loses no acknowledged write and writes nothing twice
+(service/store/backup.py, service/store/upgrade.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.store import sql
+from service.store.backup import gallery_checksum
+
+from .conftest import png, replaced_model
+from .pg import postgres  # noqa: F401 (fixture)
+from .test_replicas import Backend
+
+FAST = {"SNCA_FUSED_BATCHES": "0", "SNCA_MAX_BATCH": "8"}
+FAST_ENV = {**FAST, "SNCA_WARMUP_SECONDS": "0"}
+
+
+@pytest.fixture(scope="module")
+def new_model(base_run, tmp_path_factory):
+    return replaced_model(base_run, tmp_path_factory.mktemp("upgrade") / "run")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request, tmp_path):
+    pg = request.getfixturevalue("postgres") if request.param == "postgresql" else None
+    return Backend(request.param, tmp_path, pg)
+
+
+def tool(backend: Backend, run: Path, *args, check=True) -> subprocess.CompletedProcess:
+    """`python -m service.tools.gallery_tool ARGS` on the backend's store, as users run it."""
+    where = ["--data-dir", str(backend.tmp / "data")]
+    if backend.url:
+        where += ["--store", backend.url]
+    p = subprocess.run(
+        [sys.executable, "-m", "service.tools.gallery_tool", *args, "--model", str(run), *where],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **FAST_ENV),
+    )
+    if check:
+        assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
+def start_tool(backend: Backend, run: Path, *args) -> subprocess.Popen:
+    where = ["--data-dir", str(backend.tmp / "data")]
+    if backend.url:
+        where += ["--store", backend.url]
+    cmd = [sys.executable, "-m", "service.tools.gallery_tool", *args, "--model", str(run), *where]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **FAST_ENV),
+    )
+
+
+class Writer(threading.Thread):
+    """Adds (one image each, labels w0..w4) and deletes (every 4th write: an item it added
+    before) on one server until stopped; records what was acknowledged."""
+
+    def __init__(self, url: str, raw, start_at: int = 0):
+        super().__init__(daemon=True)
+        self.url, self.raw, self.n = url, raw, start_at
+        self.added: dict[int, str] = {}  # id -> label, acknowledged (201)
+        self.deleted: set[int] = set()  # acknowledged deletes (200)
+        self.acked_seq = 0  # the highest gallery_version an acknowledged write returned
+        self.refused: list[int] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=60) as c:
+            while not self.stop.is_set():
+                self.n += 1
+                live = sorted(set(self.added) - self.deleted)
+                if self.n % 4 == 0 and live:
+                    victim = live[self.n % len(live)]
+                    r = c.delete(f"/gallery/items/{victim}")
+                    if r.status_code == 200:
+                        self.deleted.add(victim)
+                        self.acked_seq = max(self.acked_seq, r.json()["gallery_version"])
+                    else:
+                        self.refused.append(r.status_code)
+                    continue
+                label = f"w{self.n % 5}"
+                files = [("images", ("x.png", png(self.raw, self.n % 700), "image/png"))]
+                r = c.post("/gallery/add", data={"label": label}, files=files)
+                if r.status_code == 201:
+                    body = r.json()
+                    self.added.update({i: label for i in body["ids"]})
+                    self.acked_seq = max(self.acked_seq, body["gallery_version"])
+                else:
+                    self.refused.append(r.status_code)
+                    time.sleep(0.05)
+
+    def live(self) -> dict[int, str]:
+        return {i: lab for i, lab in self.added.items() if i not in self.deleted}
+
+
+def added_items(url: str) -> dict[int, str]:
+    """Every live added item (id -> label) a server's store lists, page by page."""
+    out, token = {}, None
+    with httpx.Client(base_url=url, timeout=30) as c:
+        while True:
+            params = {"limit": 1000, **({"page_token": token} if token else {})}
+            page = c.get("/gallery/items", params=params).json()
+            out |= {it["id"]: it["label"] for it in page["items"] if it["source"] == "added"}
+            token = page["next_page_token"]
+            if token is None:
+                return out
+
+
+def ready(url: str) -> dict:
+    return httpx.get(url + "/readyz", timeout=10).json()
+
+
+def until(what, timeout: float = 60.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = what()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def seed(url: str, raw, n: int) -> None:
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for s in range(0, n, 16):
+            files = [
+                ("images", (f"{i}.png", png(raw, 1000 + i), "image/png")) for i in range(s, s + 16)
+            ]
+            r = c.post("/gallery/add", data={"label": f"seed{s // 16 % 3}"}, files=files)
+            assert r.status_code == 201, r.text
+
+
+def target_carried(backend: Backend) -> int:
+    """Added items in the gallery an upgrade is building (read straight from its store)."""
+    q = "SELECT COUNT(*) FROM items WHERE source = 'added'"
+    if backend.kind == "sqlite":
+        found = list((backend.tmp / "data" / "galleries").glob("*/gallery.sqlite"))
+        if not found:
+            return 0
+        conn = sqlite3.connect(f"file:{found[0]}?mode=ro", uri=True)
+        try:
+            return conn.execute(q).fetchone()[0]
+        except sqlite3.Error:
+            return 0
+        finally:
+            conn.close()
+    import psycopg
+
+    with psycopg.connect(backend.url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT schema_name FROM information_schema.schemata WHERE schema_name LIKE 'snca_%'"
+        ).fetchall()
+        if not rows:
+            return 0
+        try:
+            return conn.execute(q.replace("items", f"{rows[0][0]}.items")).fetchone()[0]
+        except psycopg.Error:
+            return 0
+
+
+def store_conn(backend: Backend):
+    """(connection, dialect) on the home store (for the checksum at a past write)."""
+    if backend.kind == "sqlite":
+        return sqlite3.connect(backend.tmp / "data" / "gallery.sqlite"), sql.SQLITE
+    import psycopg
+
+    return psycopg.connect(backend.url, autocommit=True), sql.POSTGRES
+
+
+def test_backup_under_writes_restores_the_same_gallery(backend, base_run, tmp_path, fmnist_train):
+    """A backup taken while a server writes holds every write acknowledged before it started,
+    its checksum equals the live source's at the backup's log position (computed later, after
+    more writes), and it restores into an empty store to a gallery with that checksum, which a
+    server then serves. A damaged backup, or a non-empty target, is refused."""
+    a = backend.start(base_run, env=FAST)
+    w = Writer(a.url, fmnist_train)
+    try:
+        seed(a.url, fmnist_train, 48)
+        w.start()
+        until(lambda: len(w.added) >= 10)
+        before = w.acked_seq  # acknowledged before the backup starts
+        before_live = w.live()
+        out = tmp_path / "backup"
+        p = tool(backend, base_run, "backup", str(out))
+        until(lambda: w.acked_seq > before + 5)  # the writes go on after it
+    finally:
+        w.stop.set()
+        w.join(timeout=60)
+    m = json.loads((out / "backup.json").read_text())
+    assert m["last_seq"] >= before, (m["last_seq"], before)
+    assert str(m["last_seq"]) in p.stdout
+    conn, d = store_conn(backend)
+    try:
+        assert gallery_checksum(conn, d, m["last_seq"])[0] == m["checksum"]
+        assert gallery_checksum(conn, d, w.acked_seq)[0] != m["checksum"]  # (it moved on)
+    finally:
+        conn.close()
+    assert "intact" in tool(backend, base_run, "verify", str(out)).stdout
+    a.kill()
+    # restore into an empty data dir / database
+    fresh = Backend(backend.kind, tmp_path / "restored", backend.pg)
+    (tmp_path / "restored").mkdir()
+    r = tool(fresh, base_run, "restore", str(out))
+    assert m["checksum"][:16] in r.stdout
+    b = fresh.start(base_run, env=FAST)
+    try:
+        body = ready(b.url)
+        assert body["gallery_version"] == m["last_seq"]
+        have = added_items(b.url)
+        for i, label in before_live.items():  # every write acknowledged before the backup
+            assert have.get(i) == label, i
+        assert len(have) == m["added"]
+        # a restore never overwrites: the target holds a gallery now
+        again = tool(fresh, base_run, "restore", str(out), check=False)
+        assert again.returncode == 2 and ("exists" in again.stderr or "already" in again.stderr)
+        assert ready(b.url)["gallery_version"] == m["last_seq"]
+    finally:
+        b.kill()
+    # a damaged backup is refused before anything is written
+    blob = bytearray((out / "gallery.sqlite").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (out / "gallery.sqlite").write_bytes(bytes(blob))
+    bad = tool(fresh, base_run, "verify", str(out), check=False)
+    assert bad.returncode == 2 and "sha256" in bad.stderr
+
+
+def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
+    backend, base_run, new_model, tmp_path, fmnist_train
+):
+    """Old-model server A takes adds and deletes throughout. `snca-gallery upgrade --to NEW`
+    is SIGKILLed half-way through its copy and run again (resumes); a new-model server B serves
+    the new gallery read-only meanwhile (/readyz standby, writes 503); `upgrade --switch` makes
+    it live while A still writes: every write A acknowledged is in B's gallery, nothing twice
+    (the same ids and labels as A's gallery, the same checksum), A is on standby. Writes on B,
+    then `snca-gallery rollback`: A takes writes again and holds B's writes."""
+    a = backend.start(base_run, env=FAST)
+    seed(a.url, fmnist_train, 160)
+    w = Writer(a.url, fmnist_train)
+    w.start()
+    b = None
+    try:
+        until(lambda: len(w.added) >= 5)
+        up = start_tool(backend, base_run, "upgrade", "--to", str(new_model), "--batch-size", "2")
+        until(lambda: target_carried(backend) >= 20, timeout=120)
+        up.send_signal(signal.SIGKILL)
+        up.wait(timeout=30)
+        half = target_carried(backend)
+        assert 20 <= half < 160, half  # killed half-way through the copy
+        p = tool(backend, base_run, "upgrade", "--to", str(new_model), "--no-progress")
+        assert "carried" in p.stdout
+        b = backend.start(new_model, env=FAST, wait_for="/healthz")
+        until(lambda: ready(b.url).get("status") == "standby")
+        r = httpx.delete(b.url + "/gallery/items/1", timeout=30)
+        assert r.status_code == 503 and "standby" in r.json()["detail"]
+        assert httpx.get(b.url + "/gallery/labels", timeout=30).status_code == 200
+        n = w.n
+        until(lambda: w.n > n + 10)  # A keeps writing while B serves the copy
+        p = tool(backend, base_run, "upgrade", "--to", str(new_model), "--switch", "--no-progress")
+        assert "switched" in p.stdout
+        until(lambda: ready(a.url).get("status") == "standby")
+        until(lambda: len(w.refused) >= 2)  # A refuses writes after the switch
+    finally:
+        w.stop.set()
+        w.join(timeout=60)
+    try:
+        assert all(code == 503 for code in w.refused), w.refused
+        until(lambda: ready(b.url).get("status") == "ready")
+        want = w.live()
+        on_a, on_b = added_items(a.url), added_items(b.url)
+        for i, label in want.items():
+            assert on_b.get(i) == label, (i, label)
+        for i in w.deleted:
+            assert i not in on_b, i
+        assert on_b == on_a  # nothing lost, nothing written twice
+        until(lambda: ready(b.url)["gallery_checksum"] == ready(a.url)["gallery_checksum"])
+        # writes on the new live gallery, then roll back
+        w2 = Writer(b.url, fmnist_train, start_at=10_000)
+        w2.start()
+        until(lambda: len(w2.added) >= 6 and w2.deleted)
+        w2.stop.set()
+        w2.join(timeout=60)
+        p = tool(backend, base_run, "rollback", "--no-progress")
+        assert "switched" in p.stdout
+        until(lambda: ready(a.url).get("status") == "ready")
+        until(lambda: ready(b.url).get("status") == "standby")
+        on_a = added_items(a.url)
+        for i, label in w2.live().items():
+            assert on_a.get(i) == label, (i, label)
+        for i in w2.deleted:
+            assert i not in on_a, i
+        assert on_a == added_items(b.url)
+        files = [("images", ("y.png", png(fmnist_train, 5), "image/png"))]
+        r = httpx.post(a.url + "/gallery/add", data={"label": "after"}, files=files, timeout=30)
+        assert r.status_code == 201, r.text
+        g = json.loads(tool(backend, base_run, "galleries").stdout)
+        live = [x for x in g["galleries"] if x["live"]]
+        assert len(live) == 1 and not live[0]["standby"]
+        assert g["alias"]["previous"] is not None
+    finally:
+        for s in (b, a):
+            if s is not None:
+                s.kill()
