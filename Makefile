@@ -32,7 +32,7 @@ run: install data ## set up; train and index the default model unless done befor
 	@echo
 	@echo "Web page: http://$(HOST):$(PORT)/   (classify, register labels, browse neighbours)"
 	@echo
-	$(PY) -m service --model $(OUT) --host $(HOST) --port $(PORT) --thumbnails
+	$(PY) -m service --model $(OUT) --host $(HOST) --port $(PORT) --thumbnails --follow-alias
 
 train: install data ## (re)train the default model and rebuild its index; the gallery in data/ is kept
 	$(PY) -m training $(TRAIN_ARGS)

@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key-file", type=Path, help="read the API key from this file (a compose secret)"
     )
     p.add_argument(
+        "--follow-alias",
+        action=argparse.BooleanOptionalAction,
+        help="serve the model the gallery's alias names as live (after `snca-gallery upgrade "
+        "--switch`) instead of --model",
+    )
+    p.add_argument(
         "--api-keys-file",
         type=Path,
         help="scoped keys, one SCOPE:KEY a line (read or write); re-read when it changes",
@@ -144,6 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"snca-serve: error: {e}", file=sys.stderr)
         return 2
+    try:
+        from service.startup import follow_alias
+
+        moved = follow_alias(settings)  # SNCA_FOLLOW_ALIAS: the model the alias names
+    except (SNCAError, OSError, ValueError) as e:
+        print(f"snca-serve: error: {e}", file=sys.stderr)
+        return 2
+    if moved:
+        print(f"snca-serve: {moved}", flush=True)
     from service.workers import WORKER_FD, exec_supervisor, signal_ready_when
 
     worker_fd = os.environ.get(WORKER_FD)

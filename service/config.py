@@ -216,6 +216,11 @@ class Settings(BaseSettings):
         description="serving processes on one port sharing one gallery store (each a replica "
         "with its own model process; torch threads split between them)",
     )
+    follow_alias: bool = Field(
+        False,
+        description="serve the model the gallery's alias names (the one `snca-gallery upgrade "
+        "--switch` made live) instead of --model, when it names another (make run does)",
+    )
     keep_previous: int = Field(
         3,
         ge=1,

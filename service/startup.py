@@ -146,6 +146,38 @@ def open_service(settings: Settings, metrics: Metrics, model_place: str = "threa
     )
 
 
+def follow_alias(settings: Settings) -> str | None:
+    """With SNCA_FOLLOW_ALIAS: when the store's alias (store/galleries.py) names another model
+    than settings.model as live, serve that one (its run and index dirs as registered by
+    `snca-gallery upgrade`); the data dir and store stay. What it did, in words (None: kept)."""
+    import json
+
+    from service.store.galleries import alias_key, gallery_key
+    from service.store.registry import backend_class
+
+    if not settings.follow_alias:
+        return None
+    home = settings.store_url or str(settings.store_path)
+    cls = backend_class(home)
+    if not cls.exists(home):
+        return None
+    meta = cls.meta_of(home)
+    if alias_key() not in meta:
+        return None
+    gen = json.loads(meta[alias_key()])["gen"]
+    info = json.loads(meta.get(gallery_key(gen), "{}"))
+    model, index = info.get("model_dir"), info.get("index_dir")
+    if not model or Path(model).resolve() == Path(settings.model).resolve():
+        return None
+    if not (Path(model) / "model.json").is_file():
+        log.warning(
+            "the alias names model %s, which is not there: serving %s", model, settings.model
+        )
+        return None
+    settings.model, settings.index = Path(model), Path(index or Path(model) / "index")
+    return f"the gallery's alias names {gen} as live: serving {model}"
+
+
 def _locate(settings: Settings, data: DataDir, fingerprint: str, index_id: str):
     """(data dir, store target) of this model's gallery (store/registry.locate_gallery): the
     home store's, or a sibling's that `snca-gallery upgrade` built."""

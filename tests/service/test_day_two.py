@@ -11,7 +11,6 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -42,29 +41,12 @@ def backend(request, tmp_path):
 
 
 def tool(backend: Backend, run: Path, *args, check=True) -> subprocess.CompletedProcess:
-    """`python -m service.tools.gallery_tool ARGS` on the backend's store, as users run it."""
-    where = ["--data-dir", str(backend.tmp / "data")]
-    if backend.url:
-        where += ["--store", backend.url]
-    p = subprocess.run(
-        [sys.executable, "-m", "service.tools.gallery_tool", *args, "--model", str(run), *where],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, OMP_NUM_THREADS="1", **FAST_ENV),
-    )
-    if check:
-        assert p.returncode == 0, p.stdout + p.stderr
-    return p
+    return backend.tool(run, *args, check=check, env=FAST_ENV)
 
 
 def start_tool(backend: Backend, run: Path, *args) -> subprocess.Popen:
-    where = ["--data-dir", str(backend.tmp / "data")]
-    if backend.url:
-        where += ["--store", backend.url]
-    cmd = [sys.executable, "-m", "service.tools.gallery_tool", *args, "--model", str(run), *where]
     return subprocess.Popen(
-        cmd,
+        backend.tool_command(run, *args),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=dict(os.environ, OMP_NUM_THREADS="1", **FAST_ENV),

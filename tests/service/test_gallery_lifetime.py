@@ -3,6 +3,7 @@ run dir in place and rebuilding its index keeps every label added before; killin
 while it carries the gallery to the new model loses nothing."""
 
 import hashlib
+import os
 import shutil
 import signal
 import sqlite3
@@ -60,11 +61,22 @@ def test_retraining_in_place_keeps_every_added_label(base_run, tmp_path, fmnist_
     assert p.returncode == 0, p.stderr
     assert _sha(store) == digest  # neither command touched the gallery
 
+    # three stores archived by earlier migrations: with SNCA_KEEP_PREVIOUS=2 this migration
+    # keeps its own archive and the newest earlier one (pruning, service/store/datadir.py)
+    prev = tmp_path / "data" / "shop" / "previous"
+    prev.mkdir()
+    for n in range(3):
+        old = prev / f"gallery-2026010{n}T000000Z-old{n}.sqlite"
+        shutil.copyfile(base_run / "index" / "gallery.sqlite", old)
+        os.utime(old, (1_700_000_000 + n, 1_700_000_000 + n))
     new_fp = RunDir(run).load_model_card()[1]
-    srv = Server(run, None, cwd=tmp_path)
+    srv = Server(run, None, {"SNCA_KEEP_PREVIOUS": "2"}, cwd=tmp_path)
     try:
         ready = httpx.get(srv.url + "/readyz").json()
         assert ready["model_fingerprint"] == new_fp and ready["migration"]["carried"] == 5
+        kept = sorted(p.name for p in prev.iterdir())
+        assert len(kept) == 2 and kept[0].endswith("old2.sqlite"), kept
+        assert Path(ready["migration"]["archive"]).name == kept[1]
         assert _labels(srv.url) == before  # the label with all its items, trained ones too
         files = {"image": ("q.png", png(fmnist_train, tees[1]), "image/png")}
         hits = httpx.post(

@@ -10,6 +10,8 @@ import re
 import signal
 import socket
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -40,6 +42,27 @@ class Backend:
         d = self.tmp / f"replica-{self.n}"
         d.mkdir(exist_ok=True)
         return Server(run, d / "data", env, "--store", self.url, *extra, **kw)
+
+    def tool_command(self, run: Path, *args) -> list[str]:
+        """`python -m service.tools.gallery_tool ARGS` on this backend's store."""
+        where = ["--data-dir", str(self.tmp / "data")]
+        if self.url:
+            where += ["--store", self.url]
+        tool = [sys.executable, "-m", "service.tools.gallery_tool"]
+        return [*tool, *args, "--model", str(run), *where]
+
+    def tool(self, run: Path, *args, check=True, env=None) -> subprocess.CompletedProcess:
+        """snca-gallery ARGS on this backend's store, as users run it; rc 0 unless not `check`."""
+        p = subprocess.run(
+            self.tool_command(run, *args),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+        )
+        if check:
+            assert p.returncode == 0, p.stdout + p.stderr
+        return p
 
     def log_rows(self) -> tuple[int, int, list[int]]:
         """(log floor, last seq, seqs in (floor, last] missing from the log)."""
@@ -258,21 +281,13 @@ def test_a_replica_behind_a_compacted_log_rebuilds_from_the_store(backend, base_
         for i in ids[:4]:
             assert ca.delete(f"/gallery/items/{i}").status_code == 200
         last = state(a.url)["gallery_version"]
-        # forget the history of the deleted items: B's position is no longer in the log
-        m = dict(backend.query("SELECT key, value FROM meta"))
-        if backend.kind == "sqlite":
-            from service.store.sqlite import SqliteStore
-
-            store = SqliteStore(
-                backend.tmp / "data" / "gallery.sqlite", None, m["model_fingerprint"], m["index_id"]
-            )
-        else:
-            from service.store.postgres import PostgresStore
-
-            store = PostgresStore(backend.url, None, m["model_fingerprint"], m["index_id"])
-        assert store.compact(last) == 4  # the four deleted added items' rows
-        assert store.log_gaps() == (last, last, [])
-        store.close()
+        # forget the history of the deleted items (snca-gallery compact, as an operator runs
+        # it while the servers run): B's position is no longer in the log
+        p = backend.tool(base_run, "compact", "--upto", str(last))
+        assert f"after write {last}" in p.stdout and " 4 rows of deleted items removed" in p.stdout
+        assert backend.log_rows() == (last, last, [])
+        again = backend.tool(base_run, "compact", "--keep", "0")
+        assert "nothing to do" in again.stdout
         os.kill(b.proc.pid, signal.SIGCONT)
         sb = state(b.url, last)
         assert sb.get("rebuilds") == 1
