@@ -235,10 +235,13 @@ def finish_service(
     progress: Callable[[int, int], None] | None = None,
     status: Callable[[str], None] | None = None,
     ready_message: str = "ready",
+    model_ready: Callable[[], None] | None = None,
 ) -> ServiceState:
-    """Carry the gallery if the plan says so, then load it; the ready ServiceState."""
+    """Carry the gallery if the plan says so, then load it; the ready ServiceState.
+    `model_ready()`: blocks until the model process has loaded its own replica (it loads
+    meanwhile, on the other core, while this one loads the front's)."""
     t0 = time.perf_counter()
-    report = o.runtime.migration_report()  # carried by the model process, if it did
+    report = None
     if o.plan is not None:
         report = _migrate(o, settings, progress, status)
     ix, data = o.index, o.data
@@ -262,6 +265,10 @@ def finish_service(
     except BaseException:
         store.close()
         raise
+
+    if model_ready is not None:
+        model_ready()
+    report = report or o.runtime.migration_report()  # carried by the model process, if it did
 
     def rebuild() -> tuple[VectorIndex, list, int]:
         """The built index read again from disk, brought up to the store (no snapshot)."""
@@ -435,15 +442,41 @@ class ServiceHost:
             self.phase = "migrating"  # in the model process: it reports the progress
         message = "model process ready" if self.model_place == "inline" else "ready"
         try:
-            o.runtime.wait_ready(self._report, self._waiting)
+            if self.model_place == "process" and o.carried_elsewhere is None:
+                # nothing to carry first: the front loads its replica while the model process
+                # loads its own and warms up (start-up ~ the longer of the two, not their sum)
+                model_ready = self._model_ready_in_background(o)
+            else:
+                o.runtime.wait_ready(self._report, self._waiting)
+                model_ready = None
             self.state = finish_service(
-                o, self.settings, self.metrics, self._report, self._waiting, message
+                o, self.settings, self.metrics, self._report, self._waiting, message, model_ready
             )
         except BaseException:
             o.runtime.close()
             raise
         self.phase = "ready"
         return self.state
+
+    def _model_ready_in_background(self, o: Opening) -> Callable[[], None]:
+        """Wait for the model process on a thread; the returned call joins it (re-raising)."""
+        failed: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                o.runtime.wait_ready(self._report, self._waiting)
+            except BaseException as e:  # (handed to the joining thread)
+                failed.append(e)
+
+        t = threading.Thread(target=wait, name="model-process-start", daemon=True)
+        t.start()
+
+        def join() -> None:
+            t.join()
+            if failed:
+                raise failed[0]
+
+        return join
 
     def finish_in_background(self) -> None:
         """`finish` on a thread (a migration can take minutes); a failure is logged, kept for
