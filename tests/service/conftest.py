@@ -80,15 +80,26 @@ class Server:
         cwd: Path | None = None,
         timeout: float = 600,
         poll: float = 0.2,
+        model_process: bool = False,
     ):
         """`data_dir` None: the default one (data/<model name> under `cwd`); `prefix`: a
         command the server runs under (it must exec it, keeping the pid); `wait_for`: the route
-        that must answer 200 before the server counts as started (None: only listening)."""
+        that must answer 200 before the server counts as started (None: only listening).
+        `model_process`: each worker a front + model process, as deployed; off, one process
+        (half the start-up and memory): the tests whose subject is the routes, the store or the
+        write path (the front's in both modes) run that way, and test_model_process.py,
+        test_replicas.py and test_day_two.py's new-model replicas run the pair."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         logs = data_dir.parent if data_dir is not None else cwd
         self.log = open(logs / f"server-{self.port}.log", "w")  # noqa: SIM115 (closed in kill)
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        full_env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            SNCA_MODEL_PROCESS="1" if model_process else "0",
+        )
+        full_env.update(env or {})
         where = [] if data_dir is None else ["--data-dir", str(data_dir)]
         self.proc = subprocess.Popen(
             [

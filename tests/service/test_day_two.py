@@ -160,6 +160,17 @@ def target_carried(backend: Backend) -> int:
             return 0
 
 
+def follows(backend: Backend, run: Path) -> Path:
+    """The model `snca-serve --model RUN --follow-alias` serves on the backend's store."""
+    from service.config import Settings
+    from service.startup import follow_alias
+
+    where = {"store": backend.url} if backend.url else {}
+    s = Settings(model=run, data_dir=backend.tmp / "data", follow_alias=True, **where)
+    follow_alias(s)
+    return Path(s.model).resolve()
+
+
 def store_conn(backend: Backend):
     """(connection, dialect) on the home store (for the checksum at a past write)."""
     if backend.kind == "sqlite":
@@ -174,7 +185,7 @@ def test_backup_under_writes_restores_the_same_gallery(backend, base_run, tmp_pa
     its checksum equals the live source's at the backup's log position (computed later, after
     more writes), and it restores into an empty store to a gallery with that checksum, which a
     server then serves. A damaged backup, or a non-empty target, is refused."""
-    a = backend.start(base_run, env=FAST)
+    a = backend.start(base_run, env=FAST, model_process=False)  # (the writers' server)
     w = Writer(a.url, fmnist_train)
     try:
         seed(a.url, fmnist_train, 48)
@@ -189,6 +200,10 @@ def test_backup_under_writes_restores_the_same_gallery(backend, base_run, tmp_pa
         w.stop.set()
         w.join(timeout=60)
     m = json.loads((out / "backup.json").read_text())
+    print(
+        f"backup[{backend.kind}]: at write {m['last_seq']} (writes acknowledged before it "
+        f"started: up to {before}; after: {w.acked_seq}), {m['items']} items"
+    )
     assert m["last_seq"] >= before, (m["last_seq"], before)
     assert str(m["last_seq"]) in p.stdout
     conn, d = store_conn(backend)
@@ -204,7 +219,7 @@ def test_backup_under_writes_restores_the_same_gallery(backend, base_run, tmp_pa
     (tmp_path / "restored").mkdir()
     r = tool(fresh, base_run, "restore", str(out))
     assert m["checksum"][:16] in r.stdout
-    b = fresh.start(base_run, env=FAST)
+    b = fresh.start(base_run, env=FAST, model_process=False)
     try:
         body = ready(b.url)
         assert body["gallery_version"] == m["last_seq"]
@@ -235,7 +250,7 @@ def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
     it live while A still writes: every write A acknowledged is in B's gallery, nothing twice
     (the same ids and labels as A's gallery, the same checksum), A is on standby. Writes on B,
     then `snca-gallery rollback`: A takes writes again and holds B's writes."""
-    a = backend.start(base_run, env=FAST)
+    a = backend.start(base_run, env=FAST, model_process=False)  # (the writers' server)
     seed(a.url, fmnist_train, 160)
     w = Writer(a.url, fmnist_train)
     w.start()
@@ -259,6 +274,9 @@ def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
         until(lambda: w.n > n + 10)  # A keeps writing while B serves the copy
         p = tool(backend, base_run, "upgrade", "--to", str(new_model), "--switch", "--no-progress")
         assert "switched" in p.stdout
+        # `make run` and compose start with --follow-alias: the old model's command line now
+        # serves the new model (the alias), on the same store
+        assert follows(backend, base_run) == new_model.resolve()
         until(lambda: ready(a.url).get("status") == "standby")
         until(lambda: len(w.refused) >= 2)  # A refuses writes after the switch
     finally:
@@ -274,6 +292,10 @@ def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
         for i in w.deleted:
             assert i not in on_b, i
         assert on_b == on_a  # nothing lost, nothing written twice
+        print(
+            f"upgrade[{backend.kind}]: {len(w.added)} adds and {len(w.deleted)} deletes "
+            f"acknowledged by A, {half} items carried at the kill, {len(on_b)} added items live"
+        )
         until(lambda: ready(b.url)["gallery_checksum"] == ready(a.url)["gallery_checksum"])
         # writes on the new live gallery, then roll back
         w2 = Writer(b.url, fmnist_train, start_at=10_000)
@@ -285,6 +307,7 @@ def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
         assert "switched" in p.stdout
         until(lambda: ready(a.url).get("status") == "ready")
         until(lambda: ready(b.url).get("status") == "standby")
+        assert follows(backend, new_model) == base_run.resolve()
         on_a = added_items(a.url)
         for i, label in w2.live().items():
             assert on_a.get(i) == label, (i, label)

@@ -105,7 +105,7 @@ def test_read_only_store_serves_reads_refuses_writes_and_recovers(
     writes sit in the -wal file, which must be read too."""
     img = png(fmnist_test, 0)
     data = tmp_path / "serve"
-    server = Server(base_run, data)
+    server = Server(base_run, data, model_process=True)  # (a crash takes both processes)
     with httpx.Client(base_url=server.url, timeout=30) as c:
         assert _add(c, "before", img, 3).status_code == 201
         before = _labels(c)

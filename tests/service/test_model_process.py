@@ -65,8 +65,8 @@ def test_read_your_writes_through_the_model_process(base_run, tmp_path, fmnist_t
     """An add is acknowledged once the model process votes with it: on the same worker at once
     (no header), on another with X-Min-Gallery-Version; the same for a delete."""
     data = tmp_path / "data"
-    a = Server(base_run, data)
-    b = Server(base_run, data)
+    a = Server(base_run, data, model_process=True)
+    b = Server(base_run, data, model_process=True)
     try:
         ra = readyz(a.url).json()
         assert ra["model_pid"] != ra["pid"] and alive(ra["model_pid"])
@@ -98,7 +98,7 @@ def test_model_process_killed_under_load(base_run, tmp_path, fmnist_train, fmnis
     """SIGKILL of the model process while adds and classifications stream: every request
     answers (200, or 503 model_unavailable with Retry-After; none hangs), a new model process
     takes over, and every acknowledged add is in the gallery it votes over."""
-    s = Server(base_run, tmp_path / "data")
+    s = Server(base_run, tmp_path / "data", model_process=True)
     try:
         first = readyz(s.url).json()["model_pid"]
         shots = [png(fmnist_train, i) for i in of_class(fmnist_train, 0, 40)]
@@ -187,7 +187,7 @@ def test_model_process_killed_under_load(base_run, tmp_path, fmnist_train, fmnis
 
 @pytest.mark.slow
 def test_a_killed_front_takes_its_model_process_with_it(base_run, tmp_path):
-    s = Server(base_run, tmp_path / "data")
+    s = Server(base_run, tmp_path / "data", model_process=True)
     model = readyz(s.url).json()["model_pid"]
     assert alive(model)
     s.kill(signal.SIGKILL)
@@ -252,7 +252,13 @@ def test_every_route_answers_as_in_one_process(base_run, tmp_path, fmnist_test, 
     shutil.copytree(tmp_path / "one", tmp_path / "two")
     got = {}
     for name, extra in (("thread", ("--no-model-process",)), ("process", ())):
-        s = Server(base_run, tmp_path / ("one" if name == "thread" else "two"), None, *extra)
+        s = Server(
+            base_run,
+            tmp_path / ("one" if name == "thread" else "two"),
+            None,
+            *extra,
+            model_process=name == "process",
+        )
         try:
             assert (readyz(s.url).json()["model_pid"] == readyz(s.url).json()["pid"]) == (
                 name == "thread"

@@ -36,6 +36,7 @@ class Backend:
         self.n = 0
 
     def start(self, run: Path, *extra, env=None, **kw) -> Server:
+        kw.setdefault("model_process", "--no-model-process" not in extra)  # as deployed
         self.n += 1
         if self.kind == "sqlite":  # one data dir: the store file and its snapshots
             return Server(run, self.tmp / "data", env, *extra, **kw)
@@ -402,7 +403,7 @@ def test_replicas_started_together_seed_an_empty_database_once(postgres, base_ru
 
 @pytest.mark.slow
 def test_workers_2_share_one_gallery_and_survive_a_killed_worker(base_run, tmp_path, fmnist_train):
-    srv = Server(base_run, tmp_path / "data", None, "--workers", "2")
+    srv = Server(base_run, tmp_path / "data", None, "--workers", "2", model_process=True)
     images = [png(fmnist_train, i) for i in of_class(fmnist_train, 9, 4)]
     try:
         c = httpx.Client(base_url=srv.url, timeout=30)
@@ -542,13 +543,13 @@ def test_min_version_header_cannot_stall_the_server(base_run, tmp_path, fmnist_t
     and /healthz, /readyz and /metrics waited too. B's follower polls once a minute here, so
     A's write is committed but not applied on B until B writes itself."""
     data = tmp_path / "data"
-    a = Server(base_run, data)
+    a = Server(base_run, data, model_process=True)
     env = {
         "SNCA_FOLLOW_POLL_S": "60",
         "SNCA_MIN_VERSION_WAIT_S": "60",
         "SNCA_MAX_PARKED_PER_CLIENT": "100",
     }
-    b = Server(base_run, data, env)
+    b = Server(base_run, data, env, model_process=True)
     socks: list[socket.socket] = []
     try:
         ca, cb = httpx.Client(base_url=a.url, timeout=30), httpx.Client(base_url=b.url, timeout=30)
