@@ -7,10 +7,13 @@
                                        newest SNCA_KEEP_PREVIOUS, and any that is the only
                                        copy of an item, stay)
         gallery.sqlite.migrating       while the gallery is carried to a new model
+        galleries/<gen>/               another model's gallery built beside this one by
+                                       `snca-gallery upgrade` (its store and snapshot/)
 
 Run dirs and index dirs are build outputs, replaced whole by the next `snca-train --overwrite`
-or `snca-build-index --overwrite`; nothing here is written or deleted by them. Back this folder
-up: it is the one thing that cannot be recomputed.
+or `snca-build-index --overwrite`; nothing here is written or deleted by them. Back the gallery
+up (`snca-gallery backup`: consistent while servers write): it is the one thing that cannot be
+recomputed.
 """
 
 from __future__ import annotations

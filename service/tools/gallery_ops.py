@@ -8,6 +8,7 @@ while servers write."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -126,9 +127,10 @@ def upgrade(args: dict, say=print) -> int:
         stores.append(source)
         sm = source.meta()
         if live not in reg:  # the home gallery, first upgrade: record what serves it
-            model_dir = None
-            if settings.model is not None and (Path(settings.model) / "model.json").is_file():
-                model_dir = str(Path(settings.model).resolve())
+            model_dir = None  # (--model, when it is that gallery's model: rollback needs it)
+            with contextlib.suppress(SNCAError, OSError, ValueError):
+                if RunDir(settings.model).load_model_card()[1] == sm["model_fingerprint"]:
+                    model_dir = str(Path(settings.model).resolve())
             register(
                 h,
                 live,

@@ -1,8 +1,13 @@
-"""snca-gallery: bulk registration into a service's gallery, and export out of it.
+"""snca-gallery: bulk registration into a service's gallery, export out of it, and its day-two
+operations (service/tools/gallery_ops.py).
 
     snca-gallery import photos/ --model runs/demo          # photos/<label>/<images>
     snca-gallery import list.csv --model runs/demo         # rows: path,label (a header is fine)
     snca-gallery export out/ --model runs/demo             # out/items.jsonl + out/images/...
+    snca-gallery upgrade --to runs/v2 [--switch]           # v2's gallery beside the live one
+    snca-gallery rollback | galleries                      # switch back; which is live
+    snca-gallery backup OUT | verify OUT | restore OUT     # consistent copies, checksummed
+    snca-gallery compact --keep 1000 | prune --keep 3      # the log's floor; previous/
 
 Same flags and SNCA_ settings as snca-serve (--model, --index, --data-dir, --store, --device,
 --thumbnails), so it finds the very gallery the service serves. An import embeds the images
