@@ -35,9 +35,11 @@ DESCRIPTION = """
 Classify images by their neighbours in an embedding gallery (Scalable NCA), register new labels
 from a few images at run time, and retrieve similar images.
 
-Writes (`/gallery/add`, deletes, `/admin/*`) need the `X-API-Key` header when `SNCA_API_KEY`
-is set (reads too with `SNCA_PROTECT_READS`); without a key, writes are accepted only from this
-server's own page, not from other web origins. Every error is RFC 9457 problem details
+Writes (`/gallery/add`, deletes, `/admin/*`) need an `X-API-Key` of scope `write` when keys
+are configured (`SNCA_API_KEY`, `SNCA_API_KEYS`, `SNCA_API_KEYS_FILE`); a key of scope `read`
+may use every read route and gets 403 `insufficient_scope` on writes (reads need a key when a
+read key is configured, or with `SNCA_PROTECT_READS`). Without any key, writes are accepted only
+from this server's own page, not from other web origins. Every error is RFC 9457 problem details
 (`application/problem+json`) with a stable `code` (README, "Errors").
 """
 

@@ -44,6 +44,7 @@ Embed = Callable[[list[StoredItem]], tuple[np.ndarray, np.ndarray | None, list[s
 Read = Callable[..., list[tuple]]  # (query, params) -> rows, on the source
 
 CATCH_UP_ROUNDS = 8
+UNCARRIED_KEPT = 100  # items that could not be carried, named in the carry's state
 
 
 @dataclass
@@ -195,7 +196,11 @@ class Carry:
             j = 0
             for it, err in zip(items, errors, strict=True):
                 if err is not None:
-                    st["uncarried"].append([it.id, it.label, err])
+                    # (the first UNCARRIED_KEPT named, all counted: the state is re-saved
+                    # with every batch, so it stays small)
+                    st["uncarried_count"] = st.get("uncarried_count", 0) + 1
+                    if len(st["uncarried"]) < UNCARRIED_KEPT:
+                        st["uncarried"].append([it.id, it.label, err])
                     continue
                 w = None if worlds is None else blob(worlds[j])
                 ok.append(replace(it, embedding=blob(emb[j]), world=w))

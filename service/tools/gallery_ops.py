@@ -208,7 +208,12 @@ def upgrade(args: dict, say=print) -> int:
         say(
             f"{gen}: {carry.carried} items carried, {carry.deleted} deleted, up to write "
             f"{st['source_seq']} of {live}"
-            + (f"; {len(st['uncarried'])} could not be carried" if st["uncarried"] else "")
+            + (
+                f"; {st.get('uncarried_count', len(st['uncarried']))} could not be carried "
+                "(they stay in the old gallery)"
+                if st["uncarried"]
+                else ""
+            )
         )
         for item_id, label, why in st["uncarried"][:20]:
             say(f"  not carried: item {item_id} ({label}): {why}")

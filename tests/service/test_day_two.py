@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -18,8 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from embedding.errors import ArtifactError
 from service.store import sql
-from service.store.backup import gallery_checksum
+from service.store.backup import gallery_checksum, restore, verify
+from service.store.registry import backend_class
 
 from .conftest import png, replaced_model
 from .pg import postgres  # noqa: F401 (fixture)
@@ -64,35 +67,51 @@ class Writer(threading.Thread):
         self.deleted: set[int] = set()  # acknowledged deletes (200)
         self.acked_seq = 0  # the highest gallery_version an acknowledged write returned
         self.refused: list[int] = []
+        self.deleting: int | None = None
+        self.lock = threading.RLock()
         self.stop = threading.Event()
 
     def run(self) -> None:
         with httpx.Client(base_url=self.url, timeout=60) as c:
             while not self.stop.is_set():
                 self.n += 1
-                live = sorted(set(self.added) - self.deleted)
+                live = sorted(self.live())
                 if self.n % 4 == 0 and live:
                     victim = live[self.n % len(live)]
+                    with self.lock:  # (in flight: maybe deleted, maybe not, until answered)
+                        self.deleting = victim
                     r = c.delete(f"/gallery/items/{victim}")
-                    if r.status_code == 200:
-                        self.deleted.add(victim)
-                        self.acked_seq = max(self.acked_seq, r.json()["gallery_version"])
-                    else:
-                        self.refused.append(r.status_code)
+                    with self.lock:
+                        self.deleting = None
+                        if r.status_code == 200:
+                            self.deleted.add(victim)
+                            self.acked_seq = max(self.acked_seq, r.json()["gallery_version"])
+                        else:
+                            self.refused.append(r.status_code)
                     continue
                 label = f"w{self.n % 5}"
                 files = [("images", ("x.png", png(self.raw, self.n % 700), "image/png"))]
                 r = c.post("/gallery/add", data={"label": label}, files=files)
-                if r.status_code == 201:
-                    body = r.json()
-                    self.added.update({i: label for i in body["ids"]})
-                    self.acked_seq = max(self.acked_seq, body["gallery_version"])
-                else:
-                    self.refused.append(r.status_code)
+                with self.lock:
+                    if r.status_code == 201:
+                        body = r.json()
+                        self.added.update({i: label for i in body["ids"]})
+                        self.acked_seq = max(self.acked_seq, body["gallery_version"])
+                    else:
+                        self.refused.append(r.status_code)
+                if r.status_code != 201:
                     time.sleep(0.05)
 
     def live(self) -> dict[int, str]:
-        return {i: lab for i, lab in self.added.items() if i not in self.deleted}
+        """Acknowledged adds not deleted (nor being deleted right now)."""
+        with self.lock:
+            gone = self.deleted | {self.deleting}
+            return {i: lab for i, lab in self.added.items() if i not in gone}
+
+    def snapshot(self) -> tuple[int, dict[int, str]]:
+        """(the highest version acknowledged, the live items) at one moment."""
+        with self.lock:
+            return self.acked_seq, self.live()
 
 
 def added_items(url: str) -> dict[int, str]:
@@ -191,8 +210,7 @@ def test_backup_under_writes_restores_the_same_gallery(backend, base_run, tmp_pa
         seed(a.url, fmnist_train, 48)
         w.start()
         until(lambda: len(w.added) >= 10)
-        before = w.acked_seq  # acknowledged before the backup starts
-        before_live = w.live()
+        before, before_live = w.snapshot()  # acknowledged before the backup starts
         out = tmp_path / "backup"
         p = tool(backend, base_run, "backup", str(out))
         until(lambda: w.acked_seq > before + 5)  # the writes go on after it
@@ -212,24 +230,38 @@ def test_backup_under_writes_restores_the_same_gallery(backend, base_run, tmp_pa
         assert gallery_checksum(conn, d, w.acked_seq)[0] != m["checksum"]  # (it moved on)
     finally:
         conn.close()
-    assert "intact" in tool(backend, base_run, "verify", str(out)).stdout
+    assert verify(out)["checksum"] == m["checksum"]
     a.kill()
     # restore into an empty data dir / database
     fresh = Backend(backend.kind, tmp_path / "restored", backend.pg)
     (tmp_path / "restored").mkdir()
     r = tool(fresh, base_run, "restore", str(out))
     assert m["checksum"][:16] in r.stdout
+    target = fresh.url or str(fresh.tmp / "data" / "gallery.sqlite")
     b = fresh.start(base_run, env=FAST, model_process=False)
     try:
         body = ready(b.url)
         assert body["gallery_version"] == m["last_seq"]
+        # every add acknowledged before the backup started is in it (its row, added by a write
+        # the backup holds; the writer may have deleted it since, by a write the backup holds
+        # too), and the restored server serves exactly the backup's live items
+        conn = sqlite3.connect(f"file:{out / 'gallery.sqlite'}?mode=ro", uri=True)
+        rows = {
+            r[0]: r[1:]
+            for r in conn.execute(
+                "SELECT id, label, add_seq, deleted_seq FROM items WHERE source = 'added'"
+            )
+        }
+        conn.close()
+        for i, label in before_live.items():
+            assert i in rows and rows[i][0] == label and rows[i][1] <= m["last_seq"], i
+            assert rows[i][2] is None or rows[i][2] <= m["last_seq"], i
         have = added_items(b.url)
-        for i, label in before_live.items():  # every write acknowledged before the backup
-            assert have.get(i) == label, i
+        assert have == {i: r[0] for i, r in rows.items() if r[2] is None}
         assert len(have) == m["added"]
         # a restore never overwrites: the target holds a gallery now
-        again = tool(fresh, base_run, "restore", str(out), check=False)
-        assert again.returncode == 2 and ("exists" in again.stderr or "already" in again.stderr)
+        with pytest.raises(ArtifactError, match="exists|already holds"):
+            restore(backend_class(target), out, target, target, say=lambda _: None)
         assert ready(b.url)["gallery_version"] == m["last_seq"]
     finally:
         b.kill()
@@ -237,7 +269,7 @@ def test_backup_under_writes_restores_the_same_gallery(backend, base_run, tmp_pa
     blob = bytearray((out / "gallery.sqlite").read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     (out / "gallery.sqlite").write_bytes(bytes(blob))
-    bad = tool(fresh, base_run, "verify", str(out), check=False)
+    bad = tool(fresh, base_run, "verify", str(out), check=False)  # (the command's exit status)
     assert bad.returncode == 2 and "sha256" in bad.stderr
 
 
@@ -263,8 +295,7 @@ def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
         up.wait(timeout=30)
         half = target_carried(backend)
         assert 20 <= half < 160, half  # killed half-way through the copy
-        p = tool(backend, base_run, "upgrade", "--to", str(new_model), "--no-progress")
-        assert "carried" in p.stdout
+        # a new-model server on the half-built gallery: it serves it, read-only
         b = backend.start(new_model, env=FAST, wait_for="/healthz")
         until(lambda: ready(b.url).get("status") == "standby")
         r = httpx.delete(b.url + "/gallery/items/1", timeout=30)
@@ -272,8 +303,11 @@ def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
         assert httpx.get(b.url + "/gallery/labels", timeout=30).status_code == 200
         n = w.n
         until(lambda: w.n > n + 10)  # A keeps writing while B serves the copy
+        # run again: resumes the copy after its last batch, follows A's log, switches
         p = tool(backend, base_run, "upgrade", "--to", str(new_model), "--switch", "--no-progress")
-        assert "switched" in p.stdout
+        assert "switched" in p.stdout and "carrying" not in p.stdout, p.stdout  # (resumed)
+        carried = int(re.search(r": (\d+) items carried", p.stdout).group(1))
+        assert carried + half <= 160 + len(w.added), (carried, half)  # none of `half` again
         # `make run` and compose start with --follow-alias: the old model's command line now
         # serves the new model (the alias), on the same store
         assert follows(backend, base_run) == new_model.resolve()
@@ -317,7 +351,7 @@ def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
         files = [("images", ("y.png", png(fmnist_train, 5), "image/png"))]
         r = httpx.post(a.url + "/gallery/add", data={"label": "after"}, files=files, timeout=30)
         assert r.status_code == 201, r.text
-        g = json.loads(tool(backend, base_run, "galleries").stdout)
+        g = json.loads(tool(backend, base_run, "galleries").stdout)  # (the command's output)
         live = [x for x in g["galleries"] if x["live"]]
         assert len(live) == 1 and not live[0]["standby"]
         assert g["alias"]["previous"] is not None
