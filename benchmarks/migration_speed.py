@@ -1,4 +1,5 @@
-"""How long carrying a gallery to a new model takes (service/store/migration.py).
+"""How long carrying a gallery to a new model takes: at start-up (service/store/migration.py)
+and beside the live one (`snca-gallery upgrade --switch`, service/store/upgrade.py).
 
     python benchmarks/migration_speed.py runs/demo --items 5000
 
@@ -13,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +59,25 @@ def main() -> int:
             st.add(f"label{s // 640}", emb, [None] * len(emb), stored)
         host.stop()
         new = replaced_model(a.run, tmp / "new")
+        # the same gallery carried beside the live one: `snca-gallery upgrade --switch` (its own
+        # process: start, model load, backfill, catch-up, switch), on a copy of the data dir
+        shutil.copytree(data, tmp / "beside")
+        t0 = time.perf_counter()
+        tool = [sys.executable, "-m", "service.tools.gallery_tool", "upgrade", "--to", str(new)]
+        flags = ["--switch", "--no-progress", "--model", str(a.run), "--batch-size", str(a.batch)]
+        p = subprocess.run(
+            [*tool, *flags, "--data-dir", str(tmp / "beside")],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, SNCA_WARMUP_SECONDS="0"),
+        )
+        up = time.perf_counter() - t0
+        assert p.returncode == 0, p.stdout + p.stderr
+        n = int(re.search(r": (\d+) items carried", p.stdout).group(1))
+        print(
+            f"snca-gallery upgrade --switch: {up:.1f} s in all for {n} items "
+            f"({n / up:,.0f} items/s including the command's start)"
+        )
         t0 = time.perf_counter()
         host = ServiceHost(Settings(model=new, data_dir=data, migration_batch=a.batch))
         host.open()
