@@ -101,13 +101,25 @@ def run_cli(module: str, *args, env=None, timeout=3600):
     )
 
 
-# Files that take minutes alone (their longest test or set-up is 2-4 min: make test's
-# durations) are collected first, so that `--dist loadfile` starts them while the other worker
-# runs the many short files, instead of handing one to a worker at the end with nothing left to
-# overlap it (what made the suite's last minutes run on one of two cores).
+# The longest files first, longest first (make test's durations: the first two take minutes
+# alone, the rest 1.5-8 min of one worker in all), so that `--dist loadfile` hands the short files
+# out last and both workers end together, instead of one worker running a long file at the end
+# with nothing left to overlap it (test_replicas, the longest service file, used to be collected
+# near the end by its name, and the suite's last minutes ran on one of two cores).
 LONG_FILES = (
     "tests/training/test_train_e2e.py",
     "tests/experiments/test_reproduce.py",
+    "tests/service/test_replicas.py",
+    "tests/service/test_faults.py",
+    "tests/service/test_day_two.py",
+    "tests/service/test_integration.py",
+    "tests/service/test_gallery_lifetime.py",
+    "tests/service/test_fuzz.py",
+    "tests/service/test_model_process.py",
+    "tests/service/test_migration.py",
+    "tests/service/test_hardening.py",
+    "tests/service/test_colour_photos.py",
+    "tests/service/test_gallery_tool.py",
 )
 
 

@@ -163,7 +163,8 @@ def upgrade(args: dict, say=print) -> int:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
         tstore = cls(target, ix.store, model.fingerprint, ix.manifest.index_id)
         stores.append(tstore)
-        if fresh:  # on standby before any server can find it (registered below)
+        if STANDBY not in tstore.meta():  # on standby before any server can find it (registered
+            # below; also when a first run died between creating and flagging it)
             flag = json.dumps({"gen": live, "model_fingerprint": sm["model_fingerprint"]})
             tstore.plain(lambda c: tstore.set_meta(c, STANDBY, flag))
         register(h, gen, info)

@@ -196,3 +196,34 @@ def test_an_unknown_image_is_offered_for_registration(server, browser, tmp_path,
     assert {"label": "new-thing", "count": 1, "source": "added"} in labels
     httpx.delete(server.url + "/gallery/labels/new-thing")
     assert errors == []
+
+
+@pytest.mark.slow
+def test_a_read_key_turns_the_pages_write_controls_off(base_run, browser, tmp_path):
+    """With scoped keys (SNCA_API_KEYS), the page asks /readyz what the typed key may do: a read
+    key disables Register and every label's delete button, saying why; a write key enables them."""
+    from playwright.sync_api import expect
+
+    keys = "read:page-read-key-1, write:page-write-key-2"
+    s = Server(base_run, tmp_path / "serve", {"SNCA_API_KEYS": keys})
+    try:
+        page = browser.new_page()
+        page.goto(s.url + "/")
+        expect(page.locator("#status")).to_contain_text("API key needed")  # reads need a key
+        page.fill("#apikey", "page-read-key-1")
+        page.dispatch_event("#apikey", "change")
+        expect(page.locator("#status")).to_contain_text("read-only key")
+        page.click("nav button[data-tab=register]")
+        expect(page.locator("#register-submit")).to_be_disabled()
+        expect(page.locator("#register-readonly")).to_contain_text("may only read")
+        page.click("nav button[data-tab=labels]")
+        expect(page.locator("#labels-table tbody button").first).to_be_disabled()
+        page.fill("#apikey", "page-write-key-2")
+        page.dispatch_event("#apikey", "change")
+        expect(page.locator("#status")).not_to_contain_text("read-only")
+        page.click("nav button[data-tab=register]")
+        expect(page.locator("#register-submit")).to_be_enabled()
+        expect(page.locator("#register-readonly")).to_be_hidden()
+        page.close()
+    finally:
+        s.kill(15)

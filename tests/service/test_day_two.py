@@ -238,6 +238,11 @@ def test_backup_under_writes_restores_the_same_gallery(backend, base_run, tmp_pa
     r = tool(fresh, base_run, "restore", str(out))
     assert m["checksum"][:16] in r.stdout
     target = fresh.url or str(fresh.tmp / "data" / "gallery.sqlite")
+    conn, d = store_conn(fresh)  # the restored store's own checksum at that position
+    try:
+        assert gallery_checksum(conn, d, m["last_seq"])[0] == m["checksum"]
+    finally:
+        conn.close()
     b = fresh.start(base_run, env=FAST, model_process=False)
     try:
         body = ready(b.url)
