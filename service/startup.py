@@ -117,7 +117,8 @@ def open_service(settings: Settings, metrics: Metrics, model_place: str = "threa
             adopted = data.adopt_legacy_store(settings.model)
         data, where = _locate(settings, data, model.fingerprint, ix.manifest.index_id)
         target = Target(model.fingerprint, ix.manifest.index_id, space, ix.dim)
-        # (a PostgreSQL store is checked when opened: carrying it to a new model is refused)
+        # (a PostgreSQL store is checked when opened: a model with no gallery there is refused,
+        # naming `snca-gallery upgrade`, which builds one beside the live one)
         p = None
         if settings.store_url is None and data.store.exists():
             # under the data dir's migration lock: wait for one in progress elsewhere, finish

@@ -147,8 +147,8 @@ class PostgresStore(Store):
             raise ArtifactError(
                 f"gallery store {self.url} belongs to model "
                 f"{meta.get('model_fingerprint', '?')[:19]}..., not to the served model "
-                f"{model_fingerprint[:19]}...: carrying a PostgreSQL gallery to a new model is "
-                "not supported yet; use a new database for this model"
+                f"{model_fingerprint[:19]}...: build this model's gallery beside it first "
+                "(snca-gallery upgrade --to THIS_RUN_DIR), or use a new database"
             )
         if meta.get("index_id") != index_id:
             raise ArtifactError(
