@@ -104,13 +104,22 @@ lint: install
 reproduce: install data
 	$(PY) -m experiments.reproduce $(if $(QUICK),--quick,)
 
-# The long reliability runs (docs/RELIABILITY.md): many kill -9 rounds, more fuzzing cases,
-# three passes of the hostile corpus, then a bounded soak (10 min at half of saturation).
+# The long reliability runs (docs/RELIABILITY.md): the history checker over several seeds
+# (HISTORY_SEEDS runs of HISTORY_SECONDS of faults on each backend) and the carry model with
+# CARRY_EXAMPLES examples, many kill -9 rounds, more fuzzing cases, three passes of the hostile
+# corpus, then a bounded soak (10 min at half of saturation).
 STRESS_ROUNDS ?= 20
 FUZZ_EXAMPLES ?= 100
 SOAK_MINUTES ?= 10
+HISTORY_SEEDS ?= 3
+HISTORY_SECONDS ?= 240
+CARRY_EXAMPLES ?= 600
 stress: install data browser postgres
 	test -d runs/bench-conv4/index || $(PY) benchmarks/service_load.py --prepare
+	SNCA_CARRY_EXAMPLES=$(CARRY_EXAMPLES) $(PY) -m pytest -q -s tests/service/test_carry_model.py
+	for i in $$(seq $(HISTORY_SEEDS)); do \
+		SNCA_HISTORY_SECONDS=$(HISTORY_SECONDS) $(PY) -m pytest -q -s tests/service/test_history.py \
+		|| exit 1; done
 	SNCA_STRESS_ROUNDS=$(STRESS_ROUNDS) SNCA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SNCA_REPLICA_SECONDS=60 \
 		$(PY) -m pytest -q -s tests/service/test_faults.py tests/service/test_fuzz.py \
 		tests/service/test_hostile.py tests/service/test_replicas.py

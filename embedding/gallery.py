@@ -20,10 +20,10 @@ from pathlib import Path
 
 from .errors import ArtifactError
 
-STORE_SCHEMA_VERSION = 5
-# Version 1 lacks items.thumbnail, 2 the log table, 3 log.token, 4 items.world: read as is,
-# upgraded by `migrate_store`.
-READABLE_SCHEMAS = ("1", "2", "3", "4", "5")
+STORE_SCHEMA_VERSION = 6
+# Version 1 lacks items.thumbnail, 2 the log table, 3 log.token, 4 items.world, 5 the tables
+# tombstones and requests: read as is, upgraded by `migrate_store`.
+READABLE_SCHEMAS = ("1", "2", "3", "4", "5", "6")
 SOURCES = ("trained", "added")
 
 # The one schema both store backends create (service/store/sqlite.py, service/store/postgres.py):
@@ -58,6 +58,22 @@ CREATE TABLE log (
     at    TEXT    NOT NULL,              -- ISO 8601, UTC
     token TEXT                           -- random per write: names the history it belongs to
 );
+CREATE TABLE tombstones (
+    kind  TEXT NOT NULL CHECK (kind IN ('label', 'trained')),
+    name  TEXT NOT NULL,                 -- label: a deleted label, trained: the JSON
+                                         -- [dataset, dataset_index] of a deleted trained image
+    seq   {ID} NOT NULL,                 -- the write that deleted it (the last one, if several)
+    PRIMARY KEY (kind, name)
+);
+CREATE TABLE requests (
+    key     TEXT PRIMARY KEY,            -- a write's Idempotency-Key
+    digest  TEXT NOT NULL,               -- sha256 of what it asked (the same key for another
+                                         -- request is refused)
+    seq     {ID} NOT NULL,               -- the write it made
+    outcome TEXT NOT NULL,               -- JSON: what a retry is answered
+    at      TEXT NOT NULL                -- ISO 8601, UTC (kept SNCA_IDEMPOTENCY_TTL_S)
+);
+CREATE INDEX requests_at ON requests (at);
 """
 SQL_TYPES = {
     "sqlite": {"ID": "INTEGER", "BLOB": "BLOB"},
@@ -82,6 +98,24 @@ ADDED_COLUMNS = (
     ("log", "token", "TEXT"),
     ("items", "world", "{BLOB}"),
 )
+
+
+# Tables added after schema 1 that `migrate_store` (and PostgreSQL's upgrade) create when a store
+# lacks them, with their indexes: log (2) has its own step; tombstones and requests (6).
+ADDED_TABLES = ("tombstones", "requests")
+
+
+def added_table_statements(dialect: str = "sqlite") -> list[str]:
+    """The CREATE statements (IF NOT EXISTS) of ADDED_TABLES and their indexes in `dialect`."""
+    out = []
+    for stmt in schema_statements(dialect):
+        words = stmt.split()  # CREATE TABLE name (...) | CREATE INDEX name ON table (...)
+        table = words[2] if words[1] == "TABLE" else words[4]
+        if table in ADDED_TABLES:
+            out.append(
+                stmt.replace(f"{words[1]} {words[2]}", f"{words[1]} IF NOT EXISTS {words[2]}", 1)
+            )
+    return out
 
 
 def schema_statements(dialect: str = "sqlite") -> list[str]:
@@ -196,7 +230,10 @@ def migrate_store(conn: sqlite3.Connection) -> bool:
     is the last write so far, whose history lives only in items.add_seq/deleted_seq).
     3 -> 4: log.token (NULL for the writes before: a snapshot taken at one of them is not
     trusted, and start-up replays from the built index once). 4 -> 5: items.world (NULL for
-    the items added before: a label of them has no world of its own until images are added)."""
+    the items added before: a label of them has no world of its own until images are added).
+    5 -> 6: the tables tombstones (labels and trained images deleted: a carry to another
+    model deletes them there too, whichever gallery it passed through) and requests
+    (Idempotency-Key records), empty."""
     version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
     if version == str(STORE_SCHEMA_VERSION):
         return False
@@ -216,6 +253,8 @@ def migrate_store(conn: sqlite3.Connection) -> bool:
         for table, column, type_ in ADDED_COLUMNS:
             if column not in {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}:
                 conn.execute(added_column_sql(table, column, type_))
+        for stmt in added_table_statements():
+            conn.execute(stmt)
         conn.execute(
             "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(STORE_SCHEMA_VERSION),)
         )

@@ -151,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"snca-serve: error: {e}", file=sys.stderr)
         return 2
     try:
-        from service.startup import follow_alias
+        from service.startup import follow_alias, settle_galleries
 
+        settled = settle_galleries(settings)  # a switch a killed `snca-gallery` run began
+        if settled:
+            print(f"snca-serve: {settled}", flush=True)
         moved = follow_alias(settings)  # SNCA_FOLLOW_ALIAS: the model the alias names
     except (SNCAError, OSError, ValueError) as e:
         print(f"snca-serve: error: {e}", file=sys.stderr)

@@ -209,6 +209,21 @@ class Settings(BaseSettings):
         "own beside the event loop's (docs/PERFORMANCE.md); off: one process, the model on a "
         "thread (less memory, lower throughput)",
     )
+    model_timeout_s: float = Field(
+        20.0,
+        ge=0.5,
+        le=3600,
+        description="the longest a request (or a write's acknowledgement) waits for the "
+        "worker's model process: past it the process counts as stopped or hung, its requests "
+        "answer 503 model_unavailable, it is restarted (/readyz 503 from half of it)",
+    )
+    idempotency_ttl_s: float = Field(
+        86400.0,
+        ge=60,
+        le=365 * 86400,
+        description="how long a write's Idempotency-Key is remembered (a retry within it is "
+        "answered with the first outcome, on every replica and after restarts)",
+    )
     workers: int = Field(
         1,
         ge=1,

@@ -147,6 +147,35 @@ def open_service(settings: Settings, metrics: Metrics, model_place: str = "threa
     )
 
 
+def settle_galleries(settings: Settings) -> str | None:
+    """A start finishes what a killed `snca-gallery upgrade --switch` or `rollback` left (the
+    live gallery sealed for another, not yet made live: store/upgrade.py `settle`), when no
+    carry runs now (it would finish it itself); what it did, in words (None: nothing)."""
+    from service.store.galleries import alias_key
+    from service.store.records import STANDBY
+    from service.store.registry import backend_class
+    from service.store.upgrade import open_galleries, settle
+
+    home = settings.store_url or str(settings.store_path)
+    cls = backend_class(home)
+    if not cls.exists(home):
+        return None
+    meta = cls.meta_of(home)
+    if alias_key() not in meta and STANDBY not in meta:
+        return None  # (never switched, nothing sealed: nothing to finish)
+    said: list[str] = []
+    with cls.carry_lock(home, blocking=False) as held:
+        if not held:
+            return None  # an upgrade runs: it settles first
+        g = open_galleries(cls, home)
+        try:
+            settle(g, said.append)
+        finally:
+            g.close()
+            g.home.close()
+    return "; ".join(said) or None
+
+
 def follow_alias(settings: Settings) -> str | None:
     """With SNCA_FOLLOW_ALIAS: when the store's alias (store/galleries.py) names another model
     than settings.model as live, serve that one (its run and index dirs as registered by

@@ -29,7 +29,14 @@ from service.model.runtime import ModelRuntime
 from service.store import ChangeSet, Store, StoreCarriedAway, StoreUnavailable
 from service.store.datadir import DataDir
 from service.store.migration import Report
-from service.store.records import STANDBY, StoreStandby, carried_away_message, standby_message
+from service.store.records import (
+    STANDBY,
+    Keyed,
+    StoreStandby,
+    WriteNotApplied,
+    carried_away_message,
+    standby_message,
+)
 
 log = logging.getLogger("snca.service")
 
@@ -97,11 +104,13 @@ class ServiceState:
         images: list,
         thumbnails=None,
         stats: np.ndarray | None = None,
+        keyed: Keyed | None = None,
     ) -> tuple[list[int], int]:
-        """Store and apply an add; `stats` (n, D) the images' world statistics, when known."""
+        """Store and apply an add; `stats` (n, D) the images' world statistics, when known;
+        `keyed`: the client's Idempotency-Key (Replayed: it was used before, nothing written)."""
         with self.write_lock:
             try:
-                seq, ids = self.store.add(label, emb, metadata, images, thumbnails, stats)
+                seq, ids = self.store.add(label, emb, metadata, images, thumbnails, stats, keyed)
             except StoreCarriedAway as e:
                 self._retire(str(e))
                 raise
@@ -116,16 +125,18 @@ class ServiceState:
                 self.gallery.apply_add(ids, label, emb, seq, stats)
                 self._after_write()
             else:  # another process's writes come first, then this one, from the log
-                self._catch_up_locked()
+                self._applied_after_commit(seq)
             return ids, seq
 
-    def delete(self, ids: list[int] | None = None, label: str | None = None) -> tuple[list, int]:
+    def delete(
+        self, ids: list[int] | None = None, label: str | None = None, keyed: Keyed | None = None
+    ) -> tuple[list, int]:
         """Delete the live items among `ids` (or of `label`) as the store has them, not as this
         replica remembers them: an item added on another replica a moment ago is found even
         before this one applied it. ([], version) when none was live."""
         with self.write_lock:
             try:
-                seq, rows = self.store.delete(ids, label)
+                seq, rows = self.store.delete(ids, label, keyed)
             except StoreCarriedAway as e:
                 self._retire(str(e))
                 raise
@@ -142,8 +153,20 @@ class ServiceState:
                 self.gallery.apply_delete(rows, seq)
                 self._after_write()
             else:
-                self._catch_up_locked()
+                self._applied_after_commit(seq)
             return rows, seq
+
+    def _applied_after_commit(self, seq: int) -> None:
+        """Under the write lock, after write `seq` committed: the log up to it applied (the
+        writes of other processes first). The store failing now does not undo the commit: the
+        answer says it was made (WriteNotApplied), and the follower applies it later."""
+        try:
+            self._catch_up_locked()
+        except StoreUnavailable as e:
+            self.follow_error = str(e)
+            raise WriteNotApplied(
+                seq, f"the store could not be read after the commit: {e}"
+            ) from None
 
     # ------------------------------------------------------------------ following the log
     def catch_up(self) -> int:

@@ -28,6 +28,7 @@ from service.model.embedder import ImageError
 from service.model.remote import ModelUnavailable
 from service.startup import ServiceHost
 from service.store import StoreUnavailable
+from service.store.records import WriteNotApplied
 
 log = logging.getLogger("snca.http")
 
@@ -304,7 +305,12 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
 
     @app.exception_handler(Problem)
     async def _problem(request: Request, e: Problem):
-        return problems.response(e.status, e.code, e.detail, e.headers)
+        return problems.response(e.status, e.code, e.detail, e.headers, e.extra)
+
+    @app.exception_handler(WriteNotApplied)
+    async def _not_applied(request: Request, e: WriteNotApplied):
+        extra = {"committed": True, "gallery_version": e.seq}
+        return problems.response(503, "write_not_applied", str(e), {"Retry-After": "1"}, extra)
 
     @app.exception_handler(ImageError)
     async def _image_error(request: Request, e: ImageError):
@@ -313,12 +319,20 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
     @app.exception_handler(ModelUnavailable)
     async def _model_down(request: Request, e: ModelUnavailable):
         detail = f"{e}; retry shortly (nothing was changed)"
-        return problems.response(503, "model_unavailable", detail, {"Retry-After": "1"})
+        extra = {"committed": False}
+        return problems.response(503, "model_unavailable", detail, {"Retry-After": "1"}, extra)
 
     @app.exception_handler(StoreUnavailable)
     async def _store_error(request: Request, e: StoreUnavailable):
-        detail = f"{e}; nothing was changed, reads keep working"
-        return problems.response(503, "store_unavailable", detail, {"Retry-After": "5"})
+        if e.committed is None:  # (the one case a write cannot say what happened)
+            detail = (
+                f"{e}; the write may have been committed: retry it with the same "
+                "Idempotency-Key to learn its outcome (reads keep working)"
+            )
+        else:
+            detail = f"{e}; nothing was changed, reads keep working"
+        extra = {"committed": e.committed}
+        return problems.response(503, "store_unavailable", detail, {"Retry-After": "5"}, extra)
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(request: Request, e: BodyTooLarge):

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 
 from service.http.multipart import Form, FormError, is_multipart, parse_form
 from service.http.problems import Problem
+from service.store.records import Keyed
 
 # A label: a visible character and no control characters (C0, DEL, C1) or line separators.
 # OpenAPI publishes this as the form's `pattern` and the server checks the same expression
@@ -144,3 +145,42 @@ def parse_metadata(raw: str | None, n: int, limit: int) -> list[dict | None]:
         "metadata_invalid",
         f"metadata must be a JSON object, or a list of {n} objects (one per image)",
     )
+
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+IDEMPOTENCY_PATTERN = r"^[!-~]{1,255}$"  # 1-255 visible ASCII characters
+_IDEMPOTENCY = re.compile(IDEMPOTENCY_PATTERN)
+# the OpenAPI parameter of every route that writes the gallery
+IDEMPOTENCY_PARAMETER = {
+    "name": IDEMPOTENCY_HEADER,
+    "in": "header",
+    "required": False,
+    "description": "a key of the client's choosing (a UUID) that makes a retry safe: a write "
+    "made under it is remembered for SNCA_IDEMPOTENCY_TTL_S on every replica, and a retry with "
+    "the same key and request is answered with the first outcome (header Idempotent-Replayed: "
+    "true), writing nothing again; the same key with another request is 422 "
+    "idempotency_key_reused",
+    "schema": {"type": "string", "pattern": IDEMPOTENCY_PATTERN},
+}
+
+
+def idempotency_key(request: Request, ttl_s: float, *asked: bytes | str) -> Keyed | None:
+    """The request's Idempotency-Key (None: it sent none) with the sha256 of what it asks
+    (`asked`: the route and every part of its body that matters), so that the same key sent
+    with another request is refused; 422 header_invalid for a malformed key."""
+    import hashlib
+
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is None:
+        return None
+    if not _IDEMPOTENCY.match(key):
+        raise Problem(
+            422,
+            "header_invalid",
+            f"{IDEMPOTENCY_HEADER} must be 1-255 visible ASCII characters (a UUID, say)",
+        )
+    h = hashlib.sha256()
+    for part in asked:
+        b = part.encode() if isinstance(part, str) else bytes(part)
+        h.update(len(b).to_bytes(8, "little") + b)
+    return Keyed(key, h.hexdigest(), ttl_s)

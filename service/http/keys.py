@@ -4,8 +4,11 @@ nothing). Sources, all at once:
 - SNCA_API_KEY (or SNCA_API_KEY_FILE: one key, read at start): a write key, as before scopes;
 - SNCA_API_KEYS: entries `SCOPE:KEY` separated by commas or whitespace;
 - SNCA_API_KEYS_FILE: the same entries, one per line (`#` comments), re-read when the file
-  changes (looked at most once a second), so keys rotate without a restart. A file that turns
-  unreadable or invalid keeps the last good keys (logged without any key).
+  changes (looked at most once a second), so keys rotate without a restart. Only a whole file
+  is applied: one renamed into place (a new inode) at once, one rewritten in place once it has
+  not changed for SETTLE_S (a file caught half-written, say with its `write:` line and not yet
+  its `read:` line, would open the reads for a moment). A file that turns unreadable or invalid
+  keeps the last good keys (logged without any key).
 
 A presented key is compared with every configured key in constant time (hmac.compare_digest,
 no early exit), and no key is ever logged or put in an error."""
@@ -23,6 +26,7 @@ from typing import Literal
 Scope = Literal["read", "write"]
 SCOPES: tuple[Scope, ...] = ("read", "write")
 RECHECK_S = 1.0  # how often the key file's identity (mtime, size, inode) is looked at
+SETTLE_S = 1.0  # a key file rewritten in place is applied once unchanged this long
 
 log = logging.getLogger("snca.keys")
 
@@ -111,8 +115,13 @@ class KeyRing:
                 return
             self._checked = now
             try:
-                if self._identity() == self._seen:
+                ident = self._identity()
+                if ident == self._seen:
                     return
+                same_inode = self._seen is not None and ident[2] == self._seen[2]
+                if same_inode and time.time() - ident[0] / 1e9 < SETTLE_S:
+                    self._checked = now - RECHECK_S + min(RECHECK_S, SETTLE_S / 4)  # soon
+                    return  # rewritten in place just now: maybe not whole yet
                 entries = self._read_file()
             except (OSError, ValueError) as e:
                 log.warning("key file not reloaded, the keys in force stay: %s", e)

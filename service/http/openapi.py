@@ -10,6 +10,7 @@ from fastapi.openapi.utils import get_openapi
 
 from service.config import Settings
 from service.http.deps import ACCESS_KEY, KEY_SCHEME, MIN_VERSION_HEADER
+from service.http.inputs import IDEMPOTENCY_HEADER
 from service.http.keys import KeyRing
 from service.http.problems import PROBLEM_JSON
 from service.http.schemas import ErrorBody
@@ -91,6 +92,10 @@ def build(app: FastAPI, settings: Settings, keys: KeyRing | None = None) -> dict
                     r["content"] = PROBLEM  # (a route's own status body, /readyz's, stays)
             if "422" in responses:
                 responses["422"]["description"] = "invalid or unknown field or query parameter"
+                if any(p.get("name") == IDEMPOTENCY_HEADER for p in op.get("parameters", [])):
+                    responses["422"]["description"] += (
+                        ", or an Idempotency-Key used before for another request"
+                    )
             _limits(op, settings)
     return schema
 

@@ -50,10 +50,17 @@ CODES = {
     "method_not_allowed": "the route does not take this method",
     "request_timeout": "the request's headers or body arrived too slowly",
     "not_ready": "starting, migrating the gallery, or stopping",
-    "model_unavailable": "the worker's model process stopped and a new one is starting (the "
-    "request was not answered and changed nothing); retry after Retry-After",
+    "model_unavailable": "the worker's model process stopped, or did not answer within "
+    "SNCA_MODEL_TIMEOUT_S, and a new one is starting (nothing was changed: `committed` false); "
+    "retry after Retry-After",
+    "write_not_applied": "the write was committed (`committed` true, its `gallery_version`) but "
+    "is not applied where the answer comes from yet (the model process did not answer in time, "
+    "or the store could not be read right after the commit); retry with the same "
+    "Idempotency-Key to get its outcome",
     "store_unavailable": "the gallery store cannot be reached or written (or was carried to a "
-    "new model by another process); nothing was changed",
+    "new model by another process); nothing was changed (`committed` false), unless the "
+    "connection broke while the write committed (`committed` null: retry it with the same "
+    "Idempotency-Key to learn its outcome)",
     "version_not_applied": "this replica has not applied the X-Min-Gallery-Version write within "
     "SNCA_MIN_VERSION_WAIT_S (retry, or ask another replica)",
     "version_unknown": "X-Min-Gallery-Version names a write the gallery store has not made yet",
@@ -63,6 +70,8 @@ CODES = {
     "too_busy": "too many requests of this kind run at once (the detail says which bound); "
     "retry after Retry-After",
     "header_invalid": "a request header the service reads has an invalid value",
+    "idempotency_key_reused": "the Idempotency-Key was used before for another request (another "
+    "route, label, image or metadata): nothing was changed",
     "snapshot_failed": "the index snapshot could not be written",
     "too_many_connections": "the server holds SNCA_MAX_CONNECTIONS connections",
     "internal_error": "a bug: logged with the request id",
@@ -86,13 +95,22 @@ DEFAULT_CODES = {
 class Problem(Exception):
     """Raise anywhere in a request: answered as a problem details response."""
 
-    def __init__(self, status: int, code: str, detail: str, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        detail: str,
+        headers: dict | None = None,
+        extra: dict | None = None,
+    ):
+        """`extra`: extension members of the problem (RFC 9457 §3.2), next to `code`."""
         assert code in CODES, code
         super().__init__(detail)
         self.status = status
         self.code = code
         self.detail = detail
         self.headers = headers
+        self.extra = extra
 
 
 def _phrase(status: int) -> str:
@@ -102,7 +120,7 @@ def _phrase(status: int) -> str:
         return "Client Closed Request" if status == 499 else "Error"
 
 
-def body(status: int, code: str, detail: str) -> dict:
+def body(status: int, code: str, detail: str, extra: dict | None = None) -> dict:
     return {
         "type": "about:blank",
         "title": _phrase(status),
@@ -110,15 +128,23 @@ def body(status: int, code: str, detail: str) -> dict:
         "detail": detail,
         "code": code,
         "request_id": request_id.get(),
+        **(extra or {}),
     }
 
 
 def response(
-    status: int, code: str | None, detail: str, headers: dict | None = None
+    status: int,
+    code: str | None,
+    detail: str,
+    headers: dict | None = None,
+    extra: dict | None = None,
 ) -> JSONResponse:
     code = code or DEFAULT_CODES.get(status, "bad_request")
     return JSONResponse(
-        body(status, code, detail), status_code=status, headers=headers, media_type=PROBLEM_JSON
+        body(status, code, detail, extra),
+        status_code=status,
+        headers=headers,
+        media_type=PROBLEM_JSON,
     )
 
 

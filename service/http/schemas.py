@@ -244,3 +244,13 @@ class ErrorBody(BaseModel):
     detail: str = Field(..., description="what went wrong, for a person")
     code: str = Field(..., description="why, for a program: a stable code (README's table)")
     request_id: str = Field(..., description="the X-Request-ID of the request (logs have it)")
+    committed: bool | None = Field(
+        None,
+        description="a write's 503 (model_unavailable, store_unavailable, write_not_applied): "
+        "whether the write was committed: false (nothing changed), true (durable as "
+        "gallery_version, not yet applied here), null (unknown: the store's connection broke "
+        "during the commit); a retry with the same Idempotency-Key settles it",
+    )
+    gallery_version: int | None = Field(
+        None, description="the committed write's gallery version (with committed: true)"
+    )

@@ -46,14 +46,16 @@ from service.model.embedder import Preprocessing
 from service.model.runtime import Answer, Decoding, ModelInfo, Prepared
 from service.model.wire import FrameReader, frame
 from service.store.migration import Report
+from service.store.records import WriteNotApplied
 
 log = logging.getLogger("snca.service")
 
 SETTINGS_ENV = "SNCA_MODEL_PROCESS_SETTINGS"  # the front's settings, JSON (no API key)
 CONTROL_FD_ENV = "SNCA_MODEL_CONTROL_FD"  # the model process writes JSON lines here
 DATA_FD_ENV = "SNCA_MODEL_DATA_FD"  # its end of the job socket
-SYNC_TIMEOUT_S = 10.0  # a write waits this long for the model process to apply it
 RESTART_BACKOFF_S = (0.2, 1.0, 5.0)  # after the 1st, 2nd, 3rd+ death in a row
+WATCH_S = 0.5  # how often the watchdog looks at the jobs in flight
+PING_S = 1.0  # an idle model process is asked for its version this often (a ping)
 SOCKET_BUFFER = 4 << 20
 
 
@@ -77,6 +79,9 @@ class RemoteRuntime(Decoding):
         self.opened: dict = {}
         self._messages: queue.SimpleQueue = queue.SimpleQueue()  # start-up messages
         self._futures: dict[int, asyncio.Future] = {}
+        self._sent: dict[int, float] = {}  # job id -> when it was sent (the watchdog's bound)
+        self.timeout = float(settings.model_timeout_s)
+        self.stalls = 0  # model processes killed for not answering within the timeout
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: asyncio.Transport | None = None
@@ -136,7 +141,8 @@ class RemoteRuntime(Decoding):
             CONTROL_FD_ENV: str(ctl_w),
             DATA_FD_ENV: str(child.fileno()),
         }
-        env.pop("SNCA_API_KEY", None)  # the model process needs no key
+        for name in [k for k in env if k.upper().startswith("SNCA_API_KEY")]:
+            del env[name]  # the model process needs no key (SNCA_API_KEY[S][_FILE], any case)
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "service.model_process"],
@@ -215,6 +221,43 @@ class RemoteRuntime(Decoding):
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._lost, None, why)
 
+    def _stalled(self, age: float) -> None:
+        """On the event loop: the oldest job has waited `age` s > the timeout: the model process
+        is stopped or hung. Every job in flight fails (503 model_unavailable), and the process
+        is killed so the supervisor starts another."""
+        why = (
+            f"the model process has not answered for {age:.1f} s (stopped or hung, over "
+            f"SNCA_MODEL_TIMEOUT_S={self.timeout:g}); a new one is starting"
+        )
+        log.error(why, extra={"fields": {"pid": self.pid()}})
+        self.stalls += 1
+        proc = self._proc
+        self._lost(None, why)
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                proc.kill()  # (SIGKILL works on a stopped process too)
+
+    async def _watchdog(self) -> None:
+        """Bounds every wait on the model process: a job older than the timeout fails the
+        process (_stalled); an idle process is pinged, so one that stopped answering is found
+        even with no request waiting (/readyz turns 503)."""
+        last_ping = 0.0
+        while not self._closed:
+            await asyncio.sleep(WATCH_S)
+            if self._transport is None or self._down is not None:
+                continue
+            now = time.monotonic()
+            if self._sent:
+                age = now - min(self._sent.values())
+                if age > self.timeout:
+                    self._stalled(age)
+                    continue
+            if not self._sent and now - last_ping >= PING_S:
+                last_ping = now
+                with contextlib.suppress(ModelUnavailable):
+                    fut = self._send(["s", next(self._ids), 0])
+                    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
     def _lost(self, transport, why: str) -> None:
         """On the event loop: the process behind `transport` (None: the current one) is gone:
         every job in flight fails now, new ones until another is ready."""
@@ -228,6 +271,7 @@ class RemoteRuntime(Decoding):
             self._sock = None
         self._down = why
         futures, self._futures = self._futures, {}
+        self._sent.clear()
         for fut in futures.values():
             if not fut.done():
                 fut.set_exception(ModelUnavailable(why))
@@ -238,6 +282,7 @@ class RemoteRuntime(Decoding):
         sock, self._sock = self._sock, None
         if sock is not None:
             self._loop.create_task(self._attach(sock))
+        self._watch = self._loop.create_task(self._watchdog())
 
     async def stop(self) -> None:
         """Let the jobs in flight finish (bounded), then stop the model process."""
@@ -267,6 +312,13 @@ class RemoteRuntime(Decoding):
                 proc.wait()
 
     def problem(self) -> str | None:
+        """Why the model process cannot answer now (None: it can): down, restarting, or a job
+        in flight for more than half the timeout (stopped or hung: /readyz says so before the
+        watchdog gives up on it)."""
+        if self._down is None and self._sent:
+            age = time.monotonic() - min(self._sent.values(), default=time.monotonic())
+            if age > self.timeout / 2:
+                return f"the model process has not answered for {age:.1f} s"
         return self._down
 
     def migration_report(self) -> Report | None:
@@ -285,6 +337,7 @@ class RemoteRuntime(Decoding):
             raise ModelUnavailable(self._down or "the model process is not connected")
         fut = self._loop.create_future()
         self._futures[header[1]] = fut
+        self._sent[header[1]] = time.monotonic()
         self._transport.write(frame(header, payload))
         return fut
 
@@ -309,18 +362,19 @@ class RemoteRuntime(Decoding):
 
     async def sync(self, seq: int) -> int:
         """Return once the model process has applied the write `seq` (the answer to the write
-        waits for this). A process that is down loads the store when it starts, so it will
-        have the write: nothing to wait for. A process slower than SYNC_TIMEOUT_S is logged;
-        every later job carries the front's version, which it applies before answering."""
+        waits for this). A process that is down (or that the watchdog gives up on) loads the
+        store when it starts, so it will have the write: nothing to wait for. Past the timeout
+        otherwise: WriteNotApplied (the write is committed; the answer says so)."""
         try:
             return await asyncio.wait_for(
-                asyncio.shield(self._send(["s", next(self._ids), seq])), SYNC_TIMEOUT_S
+                asyncio.shield(self._send(["s", next(self._ids), seq])), self.timeout + 2 * WATCH_S
             )
         except ModelUnavailable:
             return seq
         except TimeoutError:
-            log.warning("the model process did not apply write %d within %ss", seq, SYNC_TIMEOUT_S)
-            return seq
+            log.warning("the model process did not apply write %d within %ss", seq, self.timeout)
+            why = f"the model process did not apply it within {self.timeout:g} s"
+            raise WriteNotApplied(seq, why) from None
 
     def _results(self, header: list, payload: bytes) -> None:
         """On the event loop: one batch's results."""
@@ -329,6 +383,7 @@ class RemoteRuntime(Decoding):
             with contextlib.suppress(Exception):
                 self.on_batch(size, waited)
         for job, kind, data in results:
+            self._sent.pop(job, None)
             fut = self._futures.pop(job, None)
             if fut is None or fut.done():  # the client went away
                 continue

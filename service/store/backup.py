@@ -43,7 +43,16 @@ STORE_NAME = "gallery.sqlite"
 MANIFEST = "backup.json"
 ALL_COLUMNS = (*ITEM_COLUMNS, "add_seq", "deleted_seq")
 LOG_COLUMNS = ("seq", "op", "items", "at", "token")
+EXTRA_TABLES = {
+    "tombstones": ("kind", "name", "seq"),
+    "requests": ("key", "digest", "seq", "outcome", "at"),
+}
 PAGE = 1000  # item rows read at a time (images included: bounded memory)
+PARTIAL = f".{STORE_NAME}.partial"  # the copy while it is written
+# what a restored store drops of its source's meta (both backends): it stands alone, with no
+# other galleries' registry, alias, carry state, standby flag, seal or live epoch; it keeps its
+# items, log, tombstones, Idempotency-Key records, model, index build and counters
+DROPPED_META = ("gallery:%", "alias:%", "carry:%", "standby", "carried_to", "live_epoch")
 
 LIVE_AT = (
     f"SELECT {sql.COLUMNS}, add_seq FROM items WHERE add_seq <= {{p}} "
@@ -118,6 +127,13 @@ def _counts(conn, at: int) -> dict[str, int]:
 
 
 def _open_out(out: Path) -> None:
+    """A new or empty folder (one left by a killed backup, holding only its partial copy,
+    counts as empty: the copy is removed)."""
+    if out.exists() and out.is_dir():
+        left = list(out.iterdir())
+        if left and all(p.name == PARTIAL for p in left):
+            for p in left:
+                p.unlink()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ArtifactError(f"{out} exists and is not an empty folder: give a new folder")
     out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +144,7 @@ def backup(backend, target: str, url: str, out: Path, say=print) -> dict:
     `backend.dump`; the manifest (backup.json) it wrote."""
     out = Path(out)
     _open_out(out)
-    part = out / f".{STORE_NAME}.partial"
+    part = out / PARTIAL
     part.unlink(missing_ok=True)
     say(f"copying {url} ...")
     backend.dump(target, part)
@@ -167,9 +183,26 @@ def backup(backend, target: str, url: str, out: Path, say=print) -> dict:
     return manifest
 
 
+MANIFEST_FIELDS = (
+    "format",
+    "last_seq",
+    "token",
+    "log_floor",
+    "model_fingerprint",
+    "index_id",
+    "dim",
+    "items",
+    "added",
+    "added_with_image",
+    "checksum",
+    "file_sha256",
+)
+
+
 def verify(folder: Path) -> dict:
-    """The manifest of the backup in `folder`, once its file's sha256 and its gallery checksum
-    are what the manifest says; ArtifactError naming what differs."""
+    """The manifest of the backup in `folder`, once every field of it is what the file says
+    (its sha256, the gallery checksum at its log position, that write's token, the floor, the
+    model and index build, the dimension and the counts); ArtifactError naming what differs."""
     folder = Path(folder)
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
@@ -177,6 +210,13 @@ def verify(folder: Path) -> dict:
         raise ArtifactError(f"{folder} holds no {MANIFEST}: not a (complete) backup") from None
     except (OSError, ValueError) as e:
         raise ArtifactError(f"{folder / MANIFEST} cannot be read: {e}") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{folder / MANIFEST} is not a JSON object")
+    missing = [k for k in MANIFEST_FIELDS if k not in manifest]
+    if missing:
+        raise ArtifactError(
+            f"{folder / MANIFEST} lacks {', '.join(missing)}: not a backup manifest"
+        )
     if manifest.get("format") != FORMAT:
         raise ArtifactError(
             f"{folder} is a backup of format {manifest.get('format')!r}, not {FORMAT}"
@@ -186,15 +226,40 @@ def verify(folder: Path) -> dict:
         raise ArtifactError(f"{path} is missing")
     if file_sha256(path) != manifest["file_sha256"]:
         raise ArtifactError(f"{path} does not match its sha256 in {MANIFEST}: the file changed")
+    try:
+        at = int(manifest["last_seq"])
+    except (TypeError, ValueError):
+        raise ArtifactError(
+            f"{MANIFEST}: last_seq {manifest['last_seq']!r} is not a number"
+        ) from None
     conn = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
     try:
-        digest, n = gallery_checksum(conn, sql.SQLITE, int(manifest["last_seq"]))
+        meta = _meta(conn)
+        token = conn.execute("SELECT token FROM log WHERE seq = ?", (at,)).fetchone()
+        digest, n = gallery_checksum(conn, sql.SQLITE, at)
+        counts = _counts(conn, at)
     except sqlite3.DatabaseError as e:
         raise ArtifactError(f"{path} is not a readable gallery store: {e}") from None
     finally:
         conn.close()
-    if digest != manifest["checksum"] or n != manifest["items"]:
-        raise ArtifactError(f"{path}: the gallery's checksum is not the one {MANIFEST} records")
+    found = {
+        "last_seq": int(meta.get("last_seq", -1)),
+        "token": token[0] if token else None,
+        "log_floor": int(meta.get("log_floor", 0)),
+        "model_fingerprint": meta.get("model_fingerprint"),
+        "index_id": meta.get("index_id"),
+        "dim": int(meta.get("dim", 0)),
+        **counts,
+        "checksum": digest,
+    }
+    wrong = [k for k, v in found.items() if manifest[k] != v]
+    if n != counts["items"]:
+        wrong.append("items")
+    if wrong:
+        raise ArtifactError(
+            f"{folder / MANIFEST} does not describe {path}: "
+            + "; ".join(f"{k} says {manifest[k]!r}, the file {found[k]!r}" for k in wrong)
+        )
     return manifest
 
 
@@ -207,11 +272,9 @@ def restore(backend, folder: Path, target: str, url: str, say=print) -> dict:
     say(f"backup verified: {manifest['items']} items at write {at}; restoring into {url} ...")
 
     def check(conn, dialect: sql.Dialect) -> None:
-        # a restored store stands alone: no other galleries' registry, alias, carry state or
-        # standby flag of the place it was copied from (items and log are untouched)
-        for pattern in ("gallery:%", "alias:%", "carry:%"):
+        # a restored store stands alone (DROPPED_META; items and log are untouched)
+        for pattern in DROPPED_META:
             conn.execute(dialect.q("DELETE FROM meta WHERE key LIKE {p}"), (pattern,))
-        conn.execute(dialect.q(sql.DELETE_META), ("standby",))
         got, _ = gallery_checksum(conn, dialect, at)
         if got != want:
             raise ArtifactError(f"the restored gallery's checksum {got[:16]} is not the backup's")
@@ -233,6 +296,19 @@ def copy_rows(
         write("items", ALL_COLUMNS, rows)
         after = rows[-1][0]
     write("log", LOG_COLUMNS, src.execute(f"SELECT {', '.join(LOG_COLUMNS)} FROM log").fetchall())
+    for table, cols in EXTRA_TABLES.items():  # (a backup of an older schema lacks them)
+        if _has_table(src, src_d, table):
+            write(table, cols, src.execute(f"SELECT {', '.join(cols)} FROM {table}").fetchall())
+
+
+def _has_table(conn, dialect: sql.Dialect, table: str) -> bool:
+    q = (
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+        if dialect.name == "sqlite"
+        else "SELECT 1 FROM information_schema.tables WHERE table_name = %s "
+        "AND table_schema = current_schema()"
+    )
+    return conn.execute(q, (table,)).fetchone() is not None
 
 
 @contextlib.contextmanager

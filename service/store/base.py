@@ -23,7 +23,9 @@ from service.store.records import (
     ChangeSet,
     Item,
     ItemRow,
+    Keyed,
     NothingChanged,
+    Replayed,
     StoreCarriedAway,
     StoredItem,
     StoreStandby,
@@ -191,6 +193,33 @@ class Store(ABC):
         """Inside a write: mark the live items among `ids` (or of `label`) deleted by `seq`;
         (id, label, embedding, source) of each, in id order."""
 
+    def request(self, key: str) -> tuple[str, int, dict] | None:
+        """(digest, seq, outcome) of the write made under Idempotency-Key `key`, or None."""
+        rows = self._select(self.dialect.q(sql.REQUEST), (key,))
+        return None if not rows else (rows[0][0], int(rows[0][1]), json.loads(rows[0][2]))
+
+    def _keyed(self, conn, keyed: Keyed | None, seq: int, outcome: dict) -> None:
+        """Inside a write: record `keyed`'s outcome with it, or raise Replayed (rolled back)
+        when its key was used already (a retry that raced its first attempt)."""
+        if keyed is None:
+            return
+        row = conn.execute(self.dialect.q(sql.REQUEST), (keyed.key,)).fetchone()
+        if row is not None:
+            raise Replayed(int(row[1]), json.loads(row[2]), row[0] == keyed.digest)
+        now = utc_now()
+        conn.execute(
+            self.dialect.q(sql.INSERT_REQUEST),
+            (keyed.key, keyed.digest, seq, json.dumps(outcome, sort_keys=True), now),
+        )
+        # records past their retention go, at most once a minute per process
+        import time
+
+        if time.monotonic() - self._pruned_at > 60:
+            self._pruned_at = time.monotonic()
+            conn.execute(self.dialect.q(sql.PRUNE_REQUESTS), (_ago(keyed.ttl_s),))
+
+    _pruned_at = -1e9
+
     def add(
         self,
         label: str,
@@ -199,30 +228,55 @@ class Store(ABC):
         images: list[tuple[bytes, str] | None],
         thumbnails: list[bytes | None] | None = None,
         worlds: np.ndarray | None = None,
+        keyed: Keyed | None = None,
     ) -> tuple[int, list[int]]:
         """Insert len(embeddings) items of `label` (with their world statistics (n, D) when
-        given); return (seq, ids)."""
+        given); return (seq, ids). `keyed`: recorded with the write (Replayed when its key was
+        used before: nothing written)."""
         now = utc_now()
 
         def fn(conn, seq):
             ids = self._next_ids(conn, len(embeddings))
             rows = new_items(ids, label, embeddings, metadata, images, thumbnails, now, worlds)
             insert_items(conn, self.dialect, rows, seq)
+            self._keyed(conn, keyed, seq, {"op": "add", "ids": ids, "label": label})
             return ids
 
         return self.transaction(fn, "add", len)
 
     def delete(
-        self, ids: list[int] | None = None, label: str | None = None
+        self,
+        ids: list[int] | None = None,
+        label: str | None = None,
+        keyed: Keyed | None = None,
     ) -> tuple[int, list[tuple[int, str, np.ndarray, str]]]:
         """Mark deleted the live items among `ids`, or every live item of `label`, as the store
         has them now (not as a lagging replica remembers them); return (seq, [(id, label,
-        embedding, source)]), (0, []) when none was live (nothing written)."""
+        embedding, source)]), (0, []) when none was live (nothing written). Deletes leave
+        tombstones: a label's (a carry to another model deletes the label's trained items there
+        too, whichever images that model's index holds) and each trained image's deleted by id
+        (its dataset and dataset index), so no carry brings them back."""
 
         def fn(conn, seq):
             rows = self._mark_deleted(conn, seq, ids, label)
             if not rows:
                 raise NothingChanged([])
+            tomb = self.dialect.q(sql.UPSERT_TOMBSTONE)
+            if label is not None:  # (covers its trained items)
+                conn.execute(tomb, ("label", label, seq))
+            else:
+                trained = [r[0] for r in rows if r[3] == "trained"]
+                for s in range(0, len(trained), sql.CHUNK):
+                    chunk = trained[s : s + sql.CHUNK]
+                    q = sql.ids_in(
+                        self.dialect, "SELECT metadata FROM items WHERE id IN ({ids})", chunk
+                    )
+                    for (md,) in conn.execute(q, chunk).fetchall():
+                        name = trained_key(md)
+                        if name is not None:
+                            conn.execute(tomb, ("trained", name, seq))
+            deleted = [[int(r[0]), r[1]] for r in rows]
+            self._keyed(conn, keyed, seq, {"op": "delete", "rows": deleted, "label": label})
             return rows
 
         return self.transaction(fn, "delete", len)
@@ -237,13 +291,35 @@ class Store(ABC):
     def close(self) -> None: ...
 
 
+def trained_key(metadata: str | None) -> str | None:
+    """The tombstone name of a trained item: the JSON [dataset, dataset_index] of its metadata
+    (None: it has no dataset index)."""
+    m = json.loads(metadata) if metadata else {}
+    if not isinstance(m, dict) or "dataset_index" not in m:
+        return None
+    return json.dumps([m.get("dataset"), m["dataset_index"]])
+
+
+def _ago(seconds: float) -> str:
+    """utc_now()'s format, `seconds` ago (the records' `at` compare as text)."""
+    import datetime as dt
+
+    t = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=seconds)
+    return t.isoformat(timespec="seconds")
+
+
+# the writes a gallery on standby admits: a carry into it, and the promotion that makes it live
+STANDBY_WRITES = ("carry", "promote")
+
+
 def guard_write(meta: dict[str, str], op: str) -> None:
     """Inside a write, under the write lock: refuse it on a store sealed by a migration
-    (StoreCarriedAway) or on a gallery on standby (StoreStandby; an upgrade's switch still
-    writes its own log row)."""
+    (StoreCarriedAway) or on a gallery on standby (StoreStandby), the seal of a switch
+    included (a switch's source must be the live gallery: the fence against a second switch);
+    only STANDBY_WRITES pass a standby."""
     if CARRIED_TO in meta:
         raise StoreCarriedAway(carried_away_message(meta[CARRIED_TO]))
-    if STANDBY in meta and op not in ("switch", "carry"):
+    if STANDBY in meta and op not in STANDBY_WRITES:
         raise StoreStandby(standby_message(meta[STANDBY]))
 
 

@@ -53,18 +53,31 @@ def registry(home: Store) -> dict[str, dict]:
 
 
 def alias(home: Store, name: str = ALIAS) -> dict | None:
-    """The alias `name` ({gen, previous, switched_at}) or None (never switched: home is live)."""
+    """The alias `name` ({gen, previous, epoch, switched_at}) or None (never switched: the home
+    gallery is live, epoch 0)."""
     rows = home._select(home.dialect.q(sql.META_KEY), (alias_key(name),))
     return json.loads(rows[0][0]) if rows else None
+
+
+def home_gen(home: Store) -> str:
+    m = home.meta()
+    return gen_of(m["model_fingerprint"], m["index_id"])
 
 
 def live_gen(home: Store) -> str:
     """The gen of the gallery that takes writes: the alias's, else the home store's own."""
     a = alias(home)
-    if a is not None:
-        return a["gen"]
-    m = home.meta()
-    return gen_of(m["model_fingerprint"], m["index_id"])
+    return a["gen"] if a is not None else home_gen(home)
+
+
+def epoch_of(a: dict | None) -> int:
+    """The alias's epoch: how many switches made a gallery live (0: never switched). A
+    gallery's meta LIVE_EPOCH says at which epoch it became live; a switch's seal checks that
+    its source's is the alias's (the fence: a switch that lost its place writes nothing)."""
+    return int((a or {}).get("epoch", 0))
+
+
+LIVE_EPOCH = "live_epoch"
 
 
 def register(home: Store, gen: str, info: dict) -> None:
@@ -74,10 +87,31 @@ def register(home: Store, gen: str, info: dict) -> None:
     home.plain(lambda c: home.set_meta(c, gallery_key(gen), json.dumps(info, sort_keys=True)))
 
 
-def set_alias(home: Store, gen: str, previous: str | None, name: str = ALIAS) -> dict:
-    value = {"gen": gen, "previous": previous, "switched_at": utc_now()}
-    home.plain(lambda c: home.set_meta(c, alias_key(name), json.dumps(value, sort_keys=True)))
-    return value
+class AliasMoved(Exception):
+    """The alias is not where this switch found it: another switch ran (the fence)."""
+
+
+def set_alias(
+    home: Store, gen: str, previous: str | None, epoch: int, expect: int, name: str = ALIAS
+) -> dict:
+    """Point the alias at `gen` with `epoch`, only if it is still at epoch `expect` (or at `gen`
+    with `epoch` already: a rerun); AliasMoved otherwise."""
+    value = {"gen": gen, "previous": previous, "epoch": epoch, "switched_at": utc_now()}
+
+    def fn(conn):
+        row = conn.execute(home.dialect.q(sql.META_KEY), (alias_key(name),)).fetchone()
+        have = json.loads(row[0]) if row else None
+        if have is not None and have.get("gen") == gen and epoch_of(have) == epoch:
+            return have
+        if epoch_of(have) != expect:
+            raise AliasMoved(
+                f"the alias moved to {have.get('gen')} (epoch {epoch_of(have)}) while this switch "
+                f"to {gen} ran (it expected epoch {expect})"
+            )
+        home.set_meta(conn, alias_key(name), json.dumps(value, sort_keys=True))
+        return value
+
+    return home.plain(fn)
 
 
 def sibling_data_dir(data_dir: Path, gen: str) -> Path:

@@ -13,27 +13,25 @@ replaced, or the index rebuilt), it builds the new model's store before it serve
 - an item that cannot be carried (no stored image, and a new model) is reported by id,
   listed in the new store's `uncarried` table, and stays in the old store.
 
-Ids: carried items keep their ids when they lie above the new index's (the usual case: a
-retrain of the same data); otherwise they get new ones, in the same order, and the `carried`
-table maps old to new.
-
-Crash safety: the new store is written beside the old one (gallery.sqlite.migrating), in
-batches, each one transaction that also records the old ids it carried; a restart resumes
-after them. The old store's items are never changed.
-
-Writers meanwhile (a server with the old model, `snca-gallery import`) are followed, not
-raced: the copy records the old store's seq it started from (`source_seq`, and that write's
-token: a resumed copy must come from the same history), and rounds of catch-up carry every
-add and delete committed after it. The last round runs inside a write transaction of the old
-store (its write lock, so nothing can commit meanwhile) that also seals it (meta
-`carried_to`): every later write on it is refused, and the processes still serving it let go
-of it (service/state.py). Only then, once no process has the old store open, is it merged into
-one file, linked into previous/ and the new one renamed over it. A crash after the seal leaves
-a sealed store and a complete new one: the next start of any model finishes the swap.
+This is the swap ending of the one carry engine (service/store/carry.py: its id, tombstone and
+resume rules): the new store is written beside the old one (gallery.sqlite.migrating) by the
+engine (backfill in id order, then the old store's log, every write resumable); its seal runs
+inside a write transaction of the old store (its write lock, so nothing can commit meanwhile)
+and also seals it (meta `carried_to`): every later write on it is refused, and the processes
+still serving it let go of it (service/state.py). Only then, once no process has the old store
+open, is it merged into one file, linked into previous/ and the new one renamed over it. A crash
+after the seal leaves a sealed store and a complete new one: the next start of any model
+finishes the swap. Ids: kept when they lie above the new index's (the usual case: a retrain of
+the same data); otherwise renumbered in the same order (the new store's `carried` table maps
+old to new): the old store is retired, so no other gallery shares its ids.
 
 One migration at a time per data dir, across processes: an flock on
 `.gallery.sqlite.migrate.lock`, which every start takes to look at the store (it waits for a
-migration in progress, then plans from what it left).
+migration in progress, then plans from what it left), and the carry lock that upgrades take
+too (service/store/upgrade.py). A store that has day-two galleries (an alias, or a standby
+flag) is not swapped: its model's gallery is built beside it by `snca-gallery upgrade`.
+A half-done `.migrating` store left by an older version is discarded and the carry starts
+again (the old store still holds everything).
 """
 
 from __future__ import annotations
@@ -46,41 +44,24 @@ import shutil
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 from embedding.artifacts import fsync_dir
 from embedding.errors import ArtifactError
 from embedding.gallery import open_store, read_meta, utc_now
 from service.store import sql
-from service.store.base import insert_items
+from service.store.carry import Carry, Embed, Side, state_key
 from service.store.datadir import DataDir
-from service.store.records import CARRIED_TO, StoredItem
-from service.store.sqlite import (
-    SqliteStore,
-    allocate_ids,
-    mark_deleted,
-    on_read_only_fs,
-    open_unwritable,
-    set_meta,
-)
+from service.store.galleries import gen_of
+from service.store.records import CARRIED_TO, STANDBY
+from service.store.sqlite import SqliteStore, on_read_only_fs, open_unwritable, set_meta
 
 log = logging.getLogger("snca.migration")
 
-_TABLES = """
-CREATE TABLE IF NOT EXISTS carried (old_id INTEGER PRIMARY KEY, new_id INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS uncarried (
-    old_id INTEGER PRIMARY KEY, label TEXT NOT NULL, reason TEXT NOT NULL
-);
-"""
+MIGRATING_FROM = "migrating_from"  # the new store's meta while it is carried into
 
-# (stored items) -> (embeddings (n_ok, d) float32 of those that worked, their world statistics
-# (n_ok, D) or None, one error per item: None where it worked, else why not)
-Embed = Callable[[list[StoredItem]], tuple[np.ndarray, np.ndarray | None, list[str | None]]]
 
-CATCH_UP_ROUNDS = 8  # rounds outside the old store's write lock before the last one inside it
 RELEASE_POLL_S = 0.1  # how often to look whether other processes let go of the old store
 
 
@@ -248,6 +229,15 @@ def plan(store: Path, target: Target) -> Plan | None:
             target.index_id,
         ):
             return None
+        day_two = [k for k in meta if k.startswith("alias:") or k == STANDBY]
+        if day_two:
+            raise ArtifactError(
+                f"the gallery store {store} belongs to another model and has galleries switched "
+                "by `snca-gallery upgrade` (an alias, or it is on standby): it is not replaced at "
+                "start-up; build this model's gallery beside the live one with `snca-gallery "
+                "upgrade --to THIS_RUN_DIR --switch` (then start with --follow-alias, or with "
+                "this model)"
+            )
         total, with_image = conn.execute(
             "SELECT COUNT(*), COUNT(image) FROM items "
             "WHERE source = 'added' AND deleted_seq IS NULL"
@@ -308,34 +298,39 @@ class Migration:
         )
         new = None
         try:
-            new = self._open_target(old)
-            report = self._report(new)
-            if new.meta().get("migrated_from") is None:
-                self._carry(old, new, report)
-            rounds = 0
-            while rounds < CATCH_UP_ROUNDS and self._catch_up(old, new, report) > 0:
-                rounds += 1  # writers on the old store meanwhile: follow them
+            with SqliteStore.carry_lock(p.old, self.status):
+                new = self._open_target()
+                carry = Carry(
+                    Side(old, gen_of(old.meta()["model_fingerprint"], old.meta()["index_id"])),
+                    Side(new, gen_of(p.target.fingerprint, p.target.index_id)),
+                    None if p.reuse else self.embed,
+                    self.batch,
+                    lambda line: log.info(line),
+                    self.progress,
+                    renumber="auto",
+                )
+                carry.discard_hint = f"delete {new.path} and start again"
+                st = carry.begin()
+                carry.backfill(st)
+                carry.catch_up(st)
+                report = self._report(new, st)
 
-            def seal(conn, seq):
-                # the old store's write lock is held: nothing commits there until this does
-                self._catch_up(old, new, report, conn)
-                report.seconds = time.perf_counter() - t0
+                def ending(conn, seq, read):
+                    # the old store's write lock is held: nothing commits there until this does
+                    report.seconds = time.perf_counter() - t0
+                    report.caught_up = int(st.get("caught_up", 0))
+                    self._finish(new, carry, report, st, dict(read(sql.META)))
+                    target = {
+                        "model_fingerprint": p.target.fingerprint,
+                        "index_id": p.target.index_id,
+                        "at": utc_now(),
+                        "pid": os.getpid(),
+                    }
+                    set_meta(conn, CARRIED_TO, json.dumps(target))
 
-                def finish(nconn, nseq):
-                    set_meta(nconn, "migrated_from", json.dumps(self._summary(report)))
-                    set_meta(nconn, "migrating_from", None)
-
-                new.transaction(finish)
-                target = {
-                    "model_fingerprint": p.target.fingerprint,
-                    "index_id": p.target.index_id,
-                    "at": utc_now(),
-                    "pid": os.getpid(),
-                }
-                set_meta(conn, CARRIED_TO, json.dumps(target))
-
-            old.transaction(seal, "seal")
-            new.close_as_one_file()
+                carry.seal(st, ending, "seal")
+                self._tidy(new, carry)
+                new.close_as_one_file()
         finally:
             for s in (new, old):
                 if s is not None:
@@ -347,251 +342,92 @@ class Migration:
         return report
 
     # ------------------------------------------------------------------ the new store
-    def _open_target(self, old: SqliteStore) -> SqliteStore:
-        """The half-done new store of this very migration (resumed), or a fresh one."""
+    def _open_target(self) -> SqliteStore:
+        """The half-done new store of this very migration (resumed: the engine checks it comes
+        from the same history), or a fresh one. One written by an older version (no engine
+        state) or for another store is discarded: the old store still holds everything."""
         t, p = self.data.migrating, self.plan
         if t.exists():
             try:
                 new = SqliteStore(t, self.seed, p.target.fingerprint, p.target.index_id)
                 meta = new.meta()
-                same = json.loads(meta.get("migrating_from", "null")) == p.source or (
-                    meta.get("migrated_from") is not None
-                    and {k: json.loads(meta["migrated_from"]).get(k) for k in p.source} == p.source
+                source = gen_of(
+                    p.old_meta.get("model_fingerprint", ""), p.old_meta.get("index_id", "")
                 )
-                seq = int(meta.get("source_seq", "-1"))
-                if same and seq >= 0 and old.log_token(seq) == meta.get("source_token"):
+                same = json.loads(meta.get(MIGRATING_FROM, "null")) == p.source
+                if same and state_key(source) in meta:
                     log.info("resuming the migration in %s", t)
                     return new
                 new.close()
-                log.warning("discarding %s: a copy of another store or of another history", t)
+                why = (
+                    "a half-done migration written by an older version"
+                    if MIGRATING_FROM in meta and not any(k.startswith("carry:") for k in meta)
+                    else "a copy of another store"
+                )
+                log.warning("discarding %s (%s): carrying the gallery again", t, why)
             except (ArtifactError, ValueError) as e:
                 log.warning("discarding %s: %s", t, e)
             for suffix in ("", "-wal", "-shm"):
                 Path(str(t) + suffix).unlink(missing_ok=True)
         new = SqliteStore(t, self.seed, p.target.fingerprint, p.target.index_id)
-        # Where the copy starts in the old store's history: every write after it is caught up
-        # later; read before the copy, so a write between the two is carried twice (harmless)
-        # rather than never.
-        source_seq = old.last_seq()
-        source_token = old.log_token(source_seq)
-        first = old.added_items(-1, 1)
-        next_id = int(new.meta()["next_id"])
-        keep_ids = not first or first[0].id >= next_id
-        old_next = int(old.meta().get("next_id", "0"))
         stamp = utc_now().replace(":", "").replace("+0000", "Z")
         archive = f"gallery-{stamp}-{p.old_meta.get('model_fingerprint', 'unknown')[7:19]}.sqlite"
-        gone = old.deleted_trained()
-        by_source = new.trained_ids_by_source() if gone else {}
-        dead = [
-            by_source[k]
-            for k in ((m.get("dataset"), m.get("dataset_index")) for m in gone)
-            if k in by_source
-        ]
 
-        def setup(conn, seq):
-            for stmt in _TABLES.strip().split(";"):  # (executescript would commit)
-                if stmt.strip():
-                    conn.execute(stmt)
-            set_meta(conn, "migrating_from", json.dumps(p.source))
-            set_meta(conn, "source_seq", str(source_seq))
-            set_meta(conn, "source_token", source_token)
-            set_meta(conn, "carry_ids", "kept" if keep_ids else "renumbered")
+        def setup(conn):
+            set_meta(conn, MIGRATING_FROM, json.dumps(p.source))
             set_meta(conn, "archive", archive)
-            if keep_ids:  # ids are never reused: stay above every id the old store gave out
-                set_meta(conn, "next_id", str(max(next_id, old_next)))
-            mark_deleted(conn, dead, seq)
 
-        new.transaction(setup)
+        new.plain(setup)
         return new
 
-    def _report(self, new: SqliteStore) -> Report:
+    def _report(self, new: SqliteStore, st: dict) -> Report:
         meta = new.meta()
-        rows = new.select("SELECT old_id, label, reason FROM uncarried ORDER BY old_id")
-        carried = new.select("SELECT COUNT(*) FROM carried")[0][0]
+        added = new.select(
+            "SELECT COUNT(*) FROM items WHERE source = 'added' AND deleted_seq IS NULL"
+        )[0][0]
         deleted = new.select(
             "SELECT COUNT(*) FROM items WHERE source = 'trained' AND deleted_seq IS NOT NULL"
         )[0][0]
-        done = json.loads(meta.get("migrated_from") or "{}")
         return Report(
-            carried=int(carried),
-            uncarried=[tuple(r) for r in rows],
+            carried=int(added),
+            uncarried=[tuple(u) for u in st["uncarried"]],
             deleted_trained=int(deleted),
-            renumbered=meta.get("carry_ids") == "renumbered",
+            renumbered=st.get("ids") == "renumbered",
             reembedded=not self.plan.reuse,
             archive=str(self.data.previous / meta["archive"]),
-            caught_up=int(done.get("caught_up", 0)),
         )
+
+    def _finish(
+        self, new: SqliteStore, carry: Carry, report: Report, st: dict, old_meta: dict
+    ) -> None:
+        """The new store's last write before the seal: what was carried (the report,
+        re-counted: the seal's follow may have carried more). Its carry state stays until the
+        seal commits (a crash before that resumes the carry)."""
+        fresh = self._report(new, st)
+        report.carried, report.uncarried = fresh.carried, fresh.uncarried
+        report.deleted_trained = fresh.deleted_trained
+
+        registered = {k: v for k, v in old_meta.items() if k.startswith("gallery:")}
+
+        def fn(nconn, nseq):
+            set_meta(nconn, "migrated_from", json.dumps(self._summary(report)))
+            for k, v in registered.items():  # galleries built beside it by upgrades
+                set_meta(nconn, k, v)
+
+        new.transaction(fn, "carry")
+
+    def _tidy(self, new: SqliteStore, carry: Carry) -> None:
+        """The old store is sealed: the new one replaces it, no carry state left (a crash
+        before this leaves them: harmless, the swap goes on)."""
+
+        def fn(nconn):
+            set_meta(nconn, MIGRATING_FROM, None)
+            carry.forget(nconn)
+
+        new.plain(fn)
 
     def _summary(self, report: Report) -> dict:
         return {**self.plan.source, "finished_at": utc_now(), **report.to_dict()}
-
-    # ------------------------------------------------------------------ carrying items
-    def _carry(self, old: SqliteStore, new: SqliteStore, report: Report) -> None:
-        """The bulk copy: every live added item of the old store, in id order, a batch per
-        transaction (resumed after the last batch carried)."""
-        p = self.plan
-        after = new.select(
-            "SELECT MAX(m) FROM (SELECT MAX(old_id) AS m FROM carried "
-            "UNION ALL SELECT MAX(old_id) FROM uncarried)"
-        )[0][0]
-        after = -1 if after is None else int(after)
-        done = report.carried + len(report.uncarried)
-        self.progress(done, p.total)
-        while True:
-            items = old.added_items(after, self.batch)
-            if not items:
-                break
-            self._write(new, items, report)
-            after = items[-1].id
-            done += len(items)
-            self.progress(done, max(p.total, done))
-
-    def _catch_up(self, old: SqliteStore, new: SqliteStore, report: Report, conn=None) -> int:
-        """Carry the writes the old store committed after the new store's `source_seq`: adds
-        not carried yet, deletes of carried (or trained) items. `conn`: the old store's
-        connection inside its write transaction (the last round), else a read transaction of
-        its own. Returns the writes found."""
-        after = int(new.meta()["source_seq"])
-        if conn is None:
-            reader = old.reader()
-            try:
-                last, adds, dels, next_id = _changes(reader.conn, after)
-            finally:
-                reader.close()
-        else:
-            last, adds, dels, next_id = _changes(conn, after)
-        if last == after:
-            return 0
-        carried = dict(new.select("SELECT old_id, new_id FROM carried"))
-        uncarried = {r[0] for r in new.select("SELECT old_id FROM uncarried")}
-        adds = [it for it in adds if it.id not in carried and it.id not in uncarried]
-        for s in range(0, len(adds), self.batch):
-            self._write(new, adds[s : s + self.batch], report)
-        carried = dict(new.select("SELECT old_id, new_id FROM carried"))
-        trained = new.trained_ids_by_source() if any(d[1] == "trained" for d in dels) else {}
-        kill, forget = [], []
-        for old_id, source, md in dels:
-            if source == "added":
-                if old_id in carried:
-                    kill.append(carried[old_id])
-                else:
-                    forget.append(old_id)  # never carried (uncarried): nothing to report
-            else:
-                m = json.loads(md) if md else {}
-                new_id = trained.get((m.get("dataset"), m.get("dataset_index")))
-                if new_id is not None:
-                    kill.append(new_id)
-        keep_ids = not report.renumbered
-        token = old.log_token(last) if conn is None else _token(conn, last)
-
-        def write(nconn, seq):
-            mark_deleted(nconn, kill, seq)
-            nconn.executemany("DELETE FROM uncarried WHERE old_id = ?", [(i,) for i in forget])
-            set_meta(nconn, "source_seq", str(last))
-            set_meta(nconn, "source_token", token)
-            if keep_ids:
-                cur = int(
-                    nconn.execute("SELECT value FROM meta WHERE key = 'next_id'").fetchone()[0]
-                )
-                set_meta(nconn, "next_id", str(max(cur, next_id)))
-
-        new.transaction(write)
-        report.uncarried = [u for u in report.uncarried if u[0] not in set(forget)]
-        report.deleted_trained = int(
-            new.select(
-                "SELECT COUNT(*) FROM items WHERE source = 'trained' AND deleted_seq IS NOT NULL"
-            )[0][0]
-        )
-        report.caught_up += last - after
-        log.info(
-            "caught up with writes %d..%d of the old store: %d adds, %d deletes",
-            after + 1,
-            last,
-            len(adds),
-            len(dels),
-        )
-        return last - after
-
-    def _write(self, new: SqliteStore, items: list[StoredItem], report: Report) -> None:
-        """Embed `items` and insert them (one transaction), recording what was carried."""
-        ok, failed = self._embed(items)
-        renumber = report.renumbered
-
-        def write(conn, seq, ok=ok, failed=failed, renumber=renumber):
-            ids = allocate_ids(conn, len(ok)) if renumber else [it.id for it, _, _ in ok]
-            insert_items(
-                conn,
-                sql.SQLITE,
-                [
-                    replace(it, id=i, embedding=e, world=w)
-                    for (it, e, w), i in zip(ok, ids, strict=True)
-                ],
-                seq,
-            )
-            conn.executemany(
-                "INSERT INTO carried (old_id, new_id) VALUES (?, ?)",
-                [(it.id, i) for (it, _, _), i in zip(ok, ids, strict=True)],
-            )
-            conn.executemany(
-                "INSERT INTO uncarried (old_id, label, reason) VALUES (?, ?, ?)",
-                failed,
-            )
-
-        new.transaction(write)
-        report.carried += len(ok)
-        report.uncarried += failed
-        for item_id, label, why in failed:
-            log.warning("item %s (%r) not carried: %s", item_id, label, why)
-
-    def _embed(
-        self, items: list[StoredItem]
-    ) -> tuple[list[tuple[StoredItem, bytes, bytes | None]], list[tuple[int, str, str]]]:
-        """(item, its new embedding bytes, its world statistics bytes) for those carried,
-        (old id, label, why) for the rest."""
-        if self.plan.reuse:  # the same model: the statistics stay valid too
-            return [(it, it.embedding, it.world) for it in items], []
-        with_image = [it for it in items if it.image is not None]
-        failed = [
-            (it.id, it.label, "no stored image (added with SNCA_STORE_IMAGES off, or too large)")
-            for it in items
-            if it.image is None
-        ]
-        ok = []
-        if with_image:
-            emb, stats, errors = self.embed(with_image)
-            rows = iter(np.ascontiguousarray(emb, dtype="<f4"))
-            worlds = iter(np.ascontiguousarray(stats, dtype="<f4")) if stats is not None else None
-            for it, err in zip(with_image, errors, strict=True):
-                if err is None:
-                    w = next(worlds).tobytes() if worlds is not None else None
-                    ok.append((it, next(rows).tobytes(), w))
-                else:
-                    failed.append((it.id, it.label, f"the stored image cannot be read: {err}"))
-        return ok, failed
-
-
-def _changes(conn, after: int):
-    """What the old store committed after write `after`, read on `conn` (inside one
-    transaction): (its last seq, live added items added after it, (id, source, metadata) of
-    items deleted after it, its next_id)."""
-    meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('last_seq', 'next_id')"))
-    adds = [
-        StoredItem(*r)
-        for r in conn.execute(
-            f"SELECT {sql.COLUMNS} FROM items WHERE source = 'added' AND deleted_seq IS NULL "
-            "AND add_seq > ? ORDER BY id",
-            (after,),
-        )
-    ]
-    dels = conn.execute(
-        "SELECT id, source, metadata FROM items WHERE deleted_seq > ? ORDER BY id", (after,)
-    ).fetchall()
-    return int(meta["last_seq"]), adds, dels, int(meta.get("next_id", "0"))
-
-
-def _token(conn, seq: int) -> str | None:
-    row = conn.execute(sql.SQLITE.q(sql.LOG_TOKEN), (seq,)).fetchone()
-    return None if row is None else row[0]
 
 
 # ---------------------------------------------------------------------- the swap

@@ -21,7 +21,9 @@ Same tables as the SQLite store (embedding/gallery.py: meta, items, log) and the
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import sqlite3
 import threading
@@ -35,6 +37,7 @@ from embedding.gallery import (
     ITEM_COLUMNS,
     SQL_TYPES,
     STORE_SCHEMA_VERSION,
+    added_table_statements,
     new_token,
     schema_statements,
     utc_now,
@@ -49,6 +52,7 @@ log = logging.getLogger("snca.store")
 
 CHANNEL = "snca_gallery"
 SEED_LOCK = 0x736E6361  # pg_advisory_xact_lock key ("snca")
+CARRY_LOCK = 0x736E6363  # pg_advisory_lock key of carries and switches ("sncc")
 CONNECT_TIMEOUT_S = 3
 
 
@@ -127,7 +131,15 @@ class PostgresStore(Store):
     def claims(cls, target) -> bool:
         return is_postgres_url(target)
 
-    def __init__(self, url: str, seed: Path | None, model_fingerprint: str, index_id: str):
+    def __init__(
+        self,
+        url: str,
+        seed: Path | None,
+        model_fingerprint: str,
+        index_id: str,
+        seed_meta: dict[str, str] | None = None,
+    ):
+        """SqliteStore.__init__, on the database (schema) `url`."""
         self.psycopg = _driver()
         url = str(url)
         self._dsn = url
@@ -138,7 +150,7 @@ class PostgresStore(Store):
         self._listen = None
         self._closing = False
         try:
-            self._seed_once(seed)
+            self._seed_once(seed, seed_meta or {})
             self._upgrade()
             meta = self.meta()
         except records.StoreUnavailable as e:
@@ -180,6 +192,39 @@ class PostgresStore(Store):
             return cls._holds_gallery(conn)
         finally:
             conn.close()
+
+    @classmethod
+    @contextlib.contextmanager
+    def carry_lock(cls, home, waiting=None, blocking: bool = True):
+        """One carry or switch at a time among the galleries of the database `home` (a
+        session advisory lock on a connection of its own, held until this returns; the server
+        lets go of it when the connection dies with its process). `waiting(why)` is told
+        when another session holds it."""
+        conn = cls._connect_to(str(home), autocommit=True)
+        try:
+            conn.execute(
+                "SELECT set_config('application_name', %s, false)",
+                (f"snca-carry pid {os.getpid()}",),
+            )
+            told = False
+            while not conn.execute("SELECT pg_try_advisory_lock(%s)", (CARRY_LOCK,)).fetchone()[0]:
+                if not blocking:
+                    yield False
+                    return
+                if not told and waiting is not None:
+                    row = conn.execute(
+                        "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a "
+                        "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.objid = %s "
+                        "AND l.granted",
+                        (CARRY_LOCK,),
+                    ).fetchone()
+                    who = row[0] if row and row[0] else "another session"
+                    waiting(f"waiting for another carry or switch of {redact(str(home))} ({who})")
+                    told = True
+                time.sleep(0.5)
+            yield True
+        finally:
+            conn.close()  # (the session's lock goes with it)
 
     @classmethod
     def _connect_to(cls, url: str, autocommit: bool):
@@ -245,6 +290,35 @@ class PostgresStore(Store):
             conn.close()
 
     @classmethod
+    def leftovers(cls, target) -> list[str]:
+        """Other models' galleries in the database `target` (schemas snca_<gen> holding one)."""
+        conn = cls._connect_to(str(target), autocommit=True)
+        try:
+            rows = conn.execute(
+                "SELECT table_schema FROM information_schema.tables WHERE table_name = 'meta' "
+                "AND table_schema LIKE 'snca\\_%' ORDER BY 1"
+            ).fetchall()
+        finally:
+            conn.close()
+        return [r[0] for r in rows]
+
+    @classmethod
+    def discard(cls, target, found: list[str], stamp: str) -> list[str]:
+        """Rename the schemas `found` to discarded_STAMP_<gen> (kept, never dropped); the new
+        names."""
+        conn = cls._connect_to(str(target), autocommit=False)
+        out = []
+        try:
+            with conn.transaction():
+                for schema in found:
+                    new = f"discarded_{stamp}_{schema.removeprefix('snca_')}"[:63]
+                    conn.execute(f'ALTER SCHEMA "{schema}" RENAME TO "{new}"')
+                    out.append(new)
+        finally:
+            conn.close()
+        return out
+
+    @classmethod
     def load(cls, target, src: Path, check) -> None:
         """Restore the SQLite store file `src` into the database at `target`, which must hold
         no gallery: one transaction (under the seed lock) creates the tables, copies every row,
@@ -305,15 +379,27 @@ class PostgresStore(Store):
         with self._lock:
             if self._conn is None or self._conn.closed or self._conn.broken:
                 self._conn = self._connect()
+            ran = False  # fn returned: an error now is the commit's (its outcome unknown)
             try:
                 with self._conn.transaction():
-                    return fn(self._conn)
+                    out = fn(self._conn)
+                    ran = True
+                return out
             except self.psycopg.OperationalError as e:
                 self._drop()
+                if ran:
+                    raise records.CommitUnknown(
+                        f"the gallery store {self.url} failed while committing: {self._say(e)}"
+                    ) from None
                 raise records.StoreUnavailable(
                     f"the gallery store {self.url} failed: {self._say(e)}"
                 ) from None
             except self.psycopg.Error as e:
+                if ran:  # (an error of the commit itself, of any kind)
+                    self._drop()
+                    raise records.CommitUnknown(
+                        f"the gallery store {self.url} failed while committing: {self._say(e)}"
+                    ) from None
                 raise records.StoreUnavailable(
                     f"the gallery store {self.url} failed: {self._say(e)}"
                 ) from None
@@ -325,7 +411,7 @@ class PostgresStore(Store):
         finally:
             self._conn = None
 
-    def _seed_once(self, seed: Path | None) -> None:
+    def _seed_once(self, seed: Path | None, extra: dict[str, str]) -> None:
         schema = schema_of(self._dsn)
 
         def fn(conn):
@@ -342,7 +428,7 @@ class PostgresStore(Store):
                 raise ArtifactError(f"the gallery store {self.url} is empty and no seed was given")
             for stmt in schema_statements("postgresql"):
                 conn.execute(stmt)
-            n = _copy_seed(conn, seed)
+            n = _copy_seed(conn, seed, extra)
             log.info("seeded the gallery store", extra={"fields": {"store": self.url, "items": n}})
             return True
 
@@ -367,6 +453,8 @@ class PostgresStore(Store):
                     f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} "
                     + type_.format(**SQL_TYPES[D.name])
                 )
+            for stmt in added_table_statements(D.name):  # each table the database lacks
+                conn.execute(stmt)
             conn.execute(D.q(sql.SET_META), (str(STORE_SCHEMA_VERSION), "schema_version"))
 
         self._run(fn)
@@ -532,7 +620,7 @@ class PostgresStore(Store):
                 self._listen = None
 
 
-def _copy_seed(conn, seed: Path) -> int:
+def _copy_seed(conn, seed: Path, extra: dict[str, str]) -> int:
     """Copy an index dir's SQLite store (meta and items) into the new tables; the row count."""
     src = sqlite3.connect(f"file:{seed}?mode=ro", uri=True)
     try:
@@ -553,6 +641,7 @@ def _copy_seed(conn, seed: Path) -> int:
         schema_version=str(STORE_SCHEMA_VERSION),
         log_floor=meta.get("last_seq", "0"),
         seeded_at=utc_now(),
+        **extra,
     )
     with conn.cursor() as cur:
         cur.executemany("INSERT INTO meta (key, value) VALUES (%s, %s)", sorted(meta.items()))

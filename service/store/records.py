@@ -10,7 +10,31 @@ import numpy as np
 
 
 class StoreUnavailable(Exception):
-    """The store cannot be written (disk full, read-only, I/O error): answer 503, keep serving."""
+    """The store cannot be written (disk full, read-only, I/O error): answer 503, keep serving.
+    `committed`: whether the write was made (False: nothing changed; None: unknown)."""
+
+    committed: bool | None = False
+
+
+class CommitUnknown(StoreUnavailable):
+    """The connection to the store broke while a write committed: it may or may not have
+    been committed (answer 503 saying so; a retry with the same Idempotency-Key settles it)."""
+
+    committed = None
+
+
+class WriteNotApplied(Exception):
+    """A write that was committed (durable, as gallery version `seq`) but is not applied where
+    its answer comes from yet (the model process did not answer in time, or the store could
+    not be read after the commit): answered 503 saying it was committed; a retry with the same
+    Idempotency-Key is answered with its outcome once applied."""
+
+    def __init__(self, seq: int, why: str):
+        super().__init__(
+            f"the write was committed (gallery version {seq}) but is not applied here yet: "
+            f"{why}; a retry with the same Idempotency-Key is answered with its outcome"
+        )
+        self.seq = seq
 
 
 class StoreCarriedAway(StoreUnavailable):
@@ -53,6 +77,25 @@ def carried_away_message(value: str) -> str:
         f"the gallery was carried to {what} by another process; this process serves the model "
         "it had before and can no longer write it: restart it with the new model"
     )
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """A write made under a client's Idempotency-Key: the key, the sha256 of what the request
+    asked (`digest`), and how long its record is kept (`ttl_s`)."""
+
+    key: str
+    digest: str
+    ttl_s: float = 86400.0
+
+
+class Replayed(Exception):
+    """Raised by a keyed write whose key was used before (the write rolled back, nothing
+    changed): the first write's `seq` and `outcome`; `same` when it asked the same thing."""
+
+    def __init__(self, seq: int, outcome: dict, same: bool):
+        super().__init__(f"the Idempotency-Key was used by write {seq}")
+        self.seq, self.outcome, self.same = seq, outcome, same
 
 
 class NothingChanged(Exception):

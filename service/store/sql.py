@@ -87,6 +87,28 @@ LIVE_OF_IDS = (
 )
 MARK_DELETED = "UPDATE items SET deleted_seq = {p} WHERE id = {p}"
 
+# ---------------------------------------------------------------------------------- tombstones
+# kind 'label' (name: the label) or 'trained' (name: the JSON [dataset, dataset_index])
+UPSERT_TOMBSTONE = (
+    "INSERT INTO tombstones (kind, name, seq) VALUES ({p}, {p}, {p}) "
+    "ON CONFLICT (kind, name) DO UPDATE SET seq = excluded.seq"
+)
+TOMBSTONES = "SELECT kind, name, seq FROM tombstones"
+TOMBSTONES_AFTER = "SELECT kind, name, seq FROM tombstones WHERE seq > {p}"
+LIVE_TRAINED_OF_LABEL = (
+    "SELECT id FROM items WHERE source = 'trained' AND deleted_seq IS NULL AND label = {p}"
+)
+
+# ---------------------------------------------------------------------------------- requests
+REQUEST = "SELECT digest, seq, outcome FROM requests WHERE key = {p}"
+INSERT_REQUEST = (
+    "INSERT INTO requests (key, digest, seq, outcome, at) VALUES ({p}, {p}, {p}, {p}, {p})"
+)
+UPSERT_REQUEST = INSERT_REQUEST + " ON CONFLICT (key) DO NOTHING"
+REQUESTS_SINCE = "SELECT key, digest, seq, outcome, at FROM requests WHERE at >= {p}"
+PRUNE_REQUESTS = "DELETE FROM requests WHERE at < {p}"
+LOG_TOKENS = "SELECT seq, token FROM log WHERE seq > {p} AND seq <= {p}"
+
 CHUNK = 500  # ids per IN (...) list: SQLite caps the number of bound parameters
 
 

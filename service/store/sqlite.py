@@ -75,15 +75,22 @@ class SqliteStore(Store):
         return True  # a path: the fallback backend (the registry asks it last)
 
     def __init__(
-        self, path: Path, seed: Path | None, model_fingerprint: str, index_id: str
+        self,
+        path: Path,
+        seed: Path | None,
+        model_fingerprint: str,
+        index_id: str,
+        seed_meta: dict[str, str] | None = None,
     ) -> None:
         """Open the store at `path`, created as a copy of `seed` (an index dir's store) when it
-        does not exist; refused unless it belongs to this model and index build."""
+        does not exist, with `seed_meta` in its meta from the start (a gallery built beside the
+        live one is on standby before anything can open it); refused unless it belongs to this
+        model and index build."""
         self.path = Path(path)
         if not self.path.exists():
             if seed is None:
                 raise ArtifactError(f"missing gallery store {self.path}")
-            self._seed(seed)
+            self._seed(seed, seed_meta or {})
         self._lock = threading.Lock()
         self._follow_lock = threading.Lock()
         self._follow_conn: sqlite3.Connection | None = None
@@ -123,6 +130,38 @@ class SqliteStore(Store):
         return Path(target).is_file()
 
     @classmethod
+    @contextlib.contextmanager
+    def carry_lock(cls, home, waiting=None, blocking: bool = True):
+        """One carry or switch at a time among the galleries of the home store `home` (an
+        exclusive flock on a file beside it, across processes; the kernel lets go of it when
+        its holder dies). `waiting(why)` is told when another process holds it. Yields
+        whether it is held (False only when not `blocking` and another holds it)."""
+        import fcntl
+
+        path = Path(home)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_name(f".{path.name}.carry.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not blocking:
+                    yield False
+                    return
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                if waiting is not None:
+                    waiting(
+                        f"waiting for another carry or switch of the galleries of {path} "
+                        f"(pid {holder}) to finish"
+                    )
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            yield True
+        finally:
+            os.close(fd)  # releases the lock
+
+    @classmethod
     def meta_of(cls, target) -> dict[str, str]:
         """The meta table of the store at `target` as it is (no model needed: housekeeping)."""
         path = Path(target)
@@ -152,6 +191,36 @@ class SqliteStore(Store):
             out.close()
 
     @classmethod
+    def leftovers(cls, target) -> list[str]:
+        """What a restore into `target` would find beside it from an earlier history: other
+        models' galleries (galleries/*/STORE), a half-done migration (STORE.migrating)."""
+        path = Path(target)
+        found = sorted(str(p) for p in (path.parent / "galleries").glob(f"*/{path.name}"))
+        migrating = path.with_name(path.name + ".migrating")
+        return found + ([str(migrating)] if migrating.exists() else [])
+
+    @classmethod
+    def discard(cls, target, found: list[str], stamp: str) -> list[str]:
+        """Move `found` (leftovers) out of the way, into DIR/previous/discarded-STAMP/ (kept,
+        never deleted); where each went."""
+        path = Path(target)
+        dest = path.parent / "previous" / f"discarded-{stamp}"
+        dest.mkdir(parents=True, exist_ok=True)
+        out = []
+        for f in map(Path, found):
+            what = f.parent if f.parent.parent == path.parent / "galleries" else f
+            to = dest / what.name
+            os.replace(what, to)
+            for suffix in WAL_FILES:  # (a migrating store's own -wal/-shm go with it)
+                side = Path(str(what) + suffix)
+                if what.is_file() or side.exists():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.replace(side, Path(str(to) + suffix))
+            out.append(str(to))
+        fsync_dir(path.parent)
+        return out
+
+    @classmethod
     def load(cls, target, src: Path, check) -> None:
         """Restore the store file `src` to `target`, which must not exist: copied beside it,
         check(conn, dialect) run on the copy, then linked into place (never over a file)."""
@@ -167,6 +236,7 @@ class SqliteStore(Store):
             conn = sqlite3.connect(tmp)
             try:
                 check(conn, D)
+                conn.commit()  # (its meta clean-up: sqlite3 opened a transaction for it)
             finally:
                 conn.close()
             with open(tmp, "rb+") as f:
@@ -228,7 +298,7 @@ class SqliteStore(Store):
                 self.conn = self._open_read_only()
                 raise records.StoreUnavailable(str(e)) from None
 
-    def _seed(self, seed: Path) -> None:
+    def _seed(self, seed: Path, extra: dict[str, str]) -> None:
         """Copy the built store into place atomically (temp file, fsync, rename), once: an
         flock makes processes that start together on a new store wait for the first."""
         import fcntl
@@ -238,13 +308,21 @@ class SqliteStore(Store):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if not self.path.exists():
-                self._copy_seed(seed)
+                self._copy_seed(seed, extra)
         finally:
             os.close(fd)
 
-    def _copy_seed(self, seed: Path) -> None:
+    def _copy_seed(self, seed: Path, extra: dict[str, str]) -> None:
         tmp = self.path.with_name(f".{self.path.name}.seed-{os.getpid()}")
         shutil.copyfile(seed, tmp)
+        if extra:
+            conn = sqlite3.connect(tmp)
+            try:
+                for k, v in extra.items():
+                    set_meta(conn, k, v)
+                conn.commit()
+            finally:
+                conn.close()
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)

@@ -1,385 +1,287 @@
-"""Carry the live gallery into another model's gallery while it keeps serving, switch the
-alias to it, and back (snca-gallery upgrade / rollback). Works on any Store backend.
+"""The alias ending of the carry engine (service/store/carry.py): another model's gallery built
+beside the live one while it keeps serving, then made live by switching the alias, and back
+(snca-gallery upgrade / rollback). Works on any Store backend.
 
+- One carry or switch at a time per home store, across processes and hosts: the backend's
+  `carry_lock` (SQLite: an flock beside the home store; PostgreSQL: a session advisory lock),
+  held from before the live gallery is read until the alias is set.
 - The target gallery (galleries.py: a sibling of the home store, seeded with the new index's
   trained items) is on standby from its creation: servers of the new model serve it read-only
-  (writes 503, /readyz 503 `standby`) while this carries into it.
-- Backfill: every live added item of the source, in id order, re-embedded by the target's model
-  from its stored image, written in batches (one target write per run of one label). Each
-  batch's write also records how far the copy got (meta `carry:<source gen>`), so a copy killed
-  at any point resumes after its last committed batch; an item already in the target (same id)
-  is never written again. Ids are kept: the target's id counter moves past the source's.
-- Follow: the source's log after the seq the copy started from (read before the copy began):
-  adds not carried yet, deletes mapped to the target's items (added: the same id; trained: by
-  dataset and dataset index). Each source write is applied in a target write that records its
-  seq (exactly once). A source compacted past that seq is reconciled in full instead.
-- Switch: inside a write transaction of the source (its write lock: nothing commits there
-  meanwhile) the last writes are carried and the source is put on standby, recording where a
-  carry back would start (the target's seq then). Then the target takes writes (standby
-  removed, with a log row its servers follow) and the alias names it. A crash in between
-  leaves both on standby: running the switch again finishes it.
-- Rollback is the same switch the other way: the old gallery follows the new one's writes
-  from the switch on (re-embedded by the old model), then takes writes again.
+  (writes 503, /readyz 503 `standby`) while the engine carries into it. Every gallery but the
+  live one is on standby; a run that finds one that is not puts it there, saying so.
+- The switch, fenced by the alias's epoch (how many switches made a gallery live):
+    1. the seal: inside a write transaction of the live gallery S, which must not be on standby
+       and must have become live at the alias's epoch E (else another switch moved on: refused),
+       the last writes are carried, S goes on standby naming T and epoch E+1, and S records
+       where a carry back starts: T's head at that moment (T is on standby: only this run
+       writes it), so that every write T acknowledges once live is carried back by a rollback;
+    2. the promotion: T's standby lifted and its LIVE_EPOCH set to E+1, with a log row its
+       servers follow;
+    3. the alias set to T at epoch E+1, only if it is still at E.
+  A run killed between 1 and 3 leaves S sealed for T: the next run (whatever its target)
+  finishes that switch first (`settle`), so a live gallery always exists and no write is ever
+  taken by two galleries. A seal for a gallery that is gone is taken back.
+- Rollback is the same switch the other way: the old gallery follows the new one's writes from
+  the point its seal recorded (re-embedded by the old model), then takes writes again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-
-import numpy as np
+from dataclasses import dataclass
 
 from embedding.errors import ArtifactError
 from embedding.gallery import utc_now
-from service.store import sql
-from service.store.base import Store, insert_items, stored_items
-from service.store.galleries import set_alias
-from service.store.records import STANDBY, ChangeSet, StoredItem, blob, changes_from_rows
+from service.store.base import Store
+from service.store.carry import Carry, Embed, Side, state_key
+from service.store.galleries import (
+    LIVE_EPOCH,
+    alias,
+    epoch_of,
+    home_gen,
+    register,
+    registry,
+    set_alias,
+)
+from service.store.records import STANDBY
 
-# (stored items) -> (embeddings (n_ok, d) float32 of those that worked, their world statistics
-# (n_ok, D) or None, per item None or why it could not be embedded)
-Embed = Callable[[list[StoredItem]], tuple[np.ndarray, np.ndarray | None, list[str | None]]]
-Read = Callable[..., list[tuple]]  # (query, params) -> rows, on the source
 
-CATCH_UP_ROUNDS = 8
-UNCARRIED_KEPT = 100  # items that could not be carried, named in the carry's state
+class Galleries:
+    """The galleries of one home store (`home_target`, opened as `home` by backend `cls`)."""
+
+    def __init__(self, cls, home_target: str, home: Store):
+        self.cls, self.home_target, self.home = cls, str(home_target), home
+        self._open: list[Store] = []
+
+    def close(self) -> None:
+        for s in reversed(self._open):
+            with contextlib.suppress(Exception):
+                s.close()
+        self._open.clear()
+
+    def lock(self, say: Callable[[str], None]):
+        return self.cls.carry_lock(self.home_target, say)
+
+    def target_of(self, gen: str) -> str:
+        """Where the gallery `gen` lives: the home store, or its sibling."""
+        return (
+            self.home_target
+            if gen == home_gen(self.home)
+            else self.cls.sibling(self.home_target, gen)
+        )
+
+    def exists(self, gen: str) -> bool:
+        return self.cls.exists(self.target_of(gen))
+
+    def open(self, gen: str) -> Store:
+        """The gallery `gen` as it is (closed with the others by close())."""
+        from service.store.registry import open_as_found
+
+        if gen == home_gen(self.home):
+            return self.home
+        s = open_as_found(self.target_of(gen))
+        self._open.append(s)
+        return s
+
+    def live(self) -> tuple[str, int]:
+        """(the live gallery's gen, the alias's epoch)."""
+        a = alias(self.home)
+        return (a["gen"] if a else home_gen(self.home)), epoch_of(a)
 
 
 @dataclass
-class Side:
-    """One gallery of an upgrade: its store, its gen (galleries.gen_of) and registry entry."""
+class To:
+    """A gallery to carry into: its gen, registry entry and how to open (seed) its store."""
 
-    store: Store
     gen: str
     info: dict
+    # its store, created from its index's seed if new, with these meta rows from the start
+    open: Callable[[dict[str, str]], Store]
 
 
-def _key(gen: str) -> str:
-    return f"carry:{gen}"
+def _standby(live: str, fingerprint: str | None) -> str:
+    return json.dumps({"gen": live, "model_fingerprint": fingerprint})
 
 
-def _rows_of_ids(read: Read, d: sql.Dialect, template: str, ids: list[int]) -> list[tuple]:
-    out = []
-    for s in range(0, len(ids), sql.CHUNK):
-        chunk = [int(i) for i in ids[s : s + sql.CHUNK]]
-        out += read(sql.ids_in(d, template, chunk), chunk)
-    return out
+def _flag(store: Store, live: str, fingerprint: str | None) -> None:
+    flag = _standby(live, fingerprint)
+    store.plain(lambda c: store.set_meta(c, STANDBY, flag))
 
 
-def _dataset_key(metadata: str | None) -> tuple | None:
-    m = json.loads(metadata) if metadata else {}
-    return (m.get("dataset"), m.get("dataset_index")) if "dataset_index" in m else None
+def promote(store: Store, epoch: int) -> None:
+    """Make `store` the live gallery at `epoch`: its standby lifted (a log row its servers
+    follow) and LIVE_EPOCH recorded; nothing when that was done already."""
+    m = store.meta()
+    if STANDBY not in m and int(m.get(LIVE_EPOCH, 0)) == epoch:
+        return
+
+    def fn(conn, seq):
+        store.set_meta(conn, STANDBY, None)
+        store.set_meta(conn, LIVE_EPOCH, str(epoch))
+
+    store.transaction(fn, "promote")
 
 
-class Carry:
-    """Carries `source` (the live gallery) into `target`, embedding with `embed` (the target's
-    model). `say(text)` reports progress lines."""
-
-    def __init__(
-        self,
-        source: Side,
-        target: Side,
-        embed: Embed,
-        batch: int = 64,
-        say: Callable[[str], None] = print,
-        progress: Callable[[int, int], None] | None = None,
-    ):
-        self.source, self.target = source, target
-        self.embed = embed
-        self.batch = batch
-        self.say = say
-        self.progress = progress or (lambda done, total: None)
-        self._trained: dict[tuple, int] | None = None  # target: dataset key -> trained id
-        self.carried = 0
-        self.deleted = 0
-
-    # ------------------------------------------------------------------ state
-    def state(self) -> dict | None:
-        rows = self.target.store._select(
-            self.target.store.dialect.q(sql.META_KEY), (_key(self.source.gen),)
-        )
-        return json.loads(rows[0][0]) if rows else None
-
-    def _save(self, conn, st: dict) -> None:
-        self.target.store.set_meta(conn, _key(self.source.gen), json.dumps(st, sort_keys=True))
-
-    def _save_plain(self, st: dict) -> None:
-        self.target.store.plain(lambda c: self._save(c, st))
-
-    def _write(self, fn: Callable[[object, int], None]) -> None:
-        """A write of the target (it is on standby: only a carry may write it)."""
-        self.target.store.transaction(fn, "carry")
-
-    def begin(self) -> dict:
-        """The carry's state: resumed (checked to come from the same history of the source),
-        or started now (the source's seq read before anything is copied)."""
-        src, tgt = self.source.store, self.target.store
-        st = self.state()
-        if st is not None:
-            seq = int(st["source_seq"])
-            tok = src.log_token(seq) if seq > 0 else None
-            if tok is not None and st["token"] is not None and tok != st["token"]:
-                raise ArtifactError(
-                    f"the gallery {self.target.gen} was carried from another history of "
-                    f"{self.source.gen} (its write {seq} differs): remove it and start again"
+def settle(g: Galleries, say: Callable[[str], None]) -> str:
+    """Under the lock: finish a switch that a killed run began (the live gallery sealed for
+    another: that one made live, the alias moved), or take back a seal whose target is gone;
+    then put every other registered gallery that is not on standby there (a first run that
+    died before flagging its target, or a store written by an older version). The live gen."""
+    live, epoch = g.live()
+    s = g.open(live)
+    flag = s.meta().get(STANDBY)
+    if flag is not None:
+        pending = json.loads(flag).get("gen")
+        if pending and pending != live and g.exists(pending):
+            promote(g.open(pending), epoch + 1)
+            set_alias(g.home, pending, live, epoch + 1, epoch)
+            say(f"finished the switch from {live} to {pending} that an earlier run began")
+            live, epoch = pending, epoch + 1
+        else:
+            promote(s, epoch)  # sealed for a gallery that is gone: nothing wrote it
+            say(f"{live} was sealed for a switch to a missing gallery: it takes writes again")
+    for gen in registry(g.home):
+        if gen != live and g.exists(gen):
+            other = g.open(gen)
+            if STANDBY not in other.meta():
+                _flag(other, live, None)
+                say(
+                    f"warning: {gen} was not on standby although {live} is live; it is now "
+                    "(writes it took on its own are not in the live gallery: snca-gallery "
+                    "galleries lists both)"
                 )
-            return st
-        seq = src.last_seq()
-        first = src.added_items(-1, 1)
-        top = tgt._select("SELECT MAX(id) FROM items WHERE source = 'trained'")[0][0]
-        if first and top is not None and first[0].id <= int(top):
+    return live
+
+
+def prepare(g: Galleries, to: To, live: str, live_fingerprint: str | None) -> Store:
+    """The target's store: created (seeded) if new, on standby from its creation (and, found
+    without the flag, flagged before it is registered: servers find it by the registry)."""
+    store = to.open({STANDBY: _standby(live, live_fingerprint)})
+    if STANDBY not in store.meta():
+        _flag(store, live, live_fingerprint)
+    register(g.home, to.gen, to.info)
+    return store
+
+
+def carry_into(
+    g: Galleries,
+    live: str,
+    target: Store,
+    to: To,
+    embed: Embed | None,
+    batch: int = 64,
+    say: Callable[[str], None] = print,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Carry, dict]:
+    """Carry the live gallery into `target` (begin, backfill, catch up): (the carry, its state)."""
+    source = g.open(live)
+    carry = Carry(
+        Side(source, live, registry(g.home).get(live, {})),
+        Side(target, to.gen, to.info),
+        embed,
+        batch,
+        say,
+        progress,
+    )
+    carry.discard_hint = (
+        f"remove the gallery {to.gen} ({g.target_of(to.gen)}) and run the command again"
+        if to.gen != home_gen(g.home)
+        else "it is the home store: restore it from a backup instead"
+    )
+    st = carry.begin()
+    carry.backfill(st)
+    carry.catch_up(st)
+    return carry, st
+
+
+def switch(g: Galleries, carry: Carry, st: dict, say: Callable[[str], None] = print) -> dict:
+    """Make the carry's target the live gallery (see the module docstring); the alias."""
+    src, tgt = carry.source, carry.target
+    live, epoch = g.live()
+    if live != src.gen:
+        raise ArtifactError(f"the live gallery is {live}, not {src.gen}: nothing switched")
+    carry.catch_up(st)
+    t0 = time.perf_counter()
+
+    def ending(conn, seq, read):
+        rows = read(src.store.dialect.q("SELECT value FROM meta WHERE key = {p}"), (LIVE_EPOCH,))
+        have = int(rows[0][0]) if rows else 0
+        if have != epoch:
             raise ArtifactError(
-                f"item ids would clash: the new index's trained items reach id {top}, the "
-                f"gallery's first added item is {first[0].id}; an upgrade keeps ids (a SQLite "
-                "gallery can be carried at start-up instead: start snca-serve with the new model)"
+                f"{src.gen} became live at epoch {have}, but the alias is at epoch {epoch}: "
+                "another switch ran; nothing switched"
             )
-        next_id = max(int(src.meta()["next_id"]), int(tgt.meta()["next_id"]))
-        dead = self._map_trained(
-            [
-                (r[0], "trained", r[1])
-                for r in src._select(
-                    "SELECT id, metadata FROM items WHERE source = 'trained' "
-                    "AND deleted_seq IS NOT NULL"
-                )
-            ]
-        )
-        st = {
-            "source_seq": seq,
-            "token": src.log_token(seq),
+        t_seq = tgt.store.last_seq()  # (on standby: only this run writes it)
+        back = {
+            "source_seq": t_seq,
+            "token": tgt.store.log_token(t_seq) if t_seq > 0 else None,
             "after_id": -1,
-            "backfilled": False,
+            "backfilled": True,
+            "ids": "kept",
             "uncarried": [],
+            "uncarried_count": 0,
             "started_at": utc_now(),
         }
+        src.store.set_meta(conn, state_key(tgt.gen), json.dumps(back, sort_keys=True))
+        sealed = {
+            "gen": tgt.gen,
+            "model_fingerprint": tgt.info.get("model_fingerprint"),
+            "epoch": epoch + 1,
+            "at": utc_now(),
+        }
+        src.store.set_meta(conn, STANDBY, json.dumps(sealed, sort_keys=True))
 
-        def fn(conn, wseq):
-            tgt.set_meta(conn, "next_id", str(next_id))
-            if dead:
-                tgt._mark_deleted(conn, wseq, dead, None)
-            self._save(conn, st)
+    carry.seal(st, ending, "switch")
+    say(f"writes paused for {time.perf_counter() - t0:.2f} s while switching")
+    promote(tgt.store, epoch + 1)
+    return set_alias(g.home, tgt.gen, src.gen, epoch + 1, epoch)
 
-        self._write(fn)
-        self.say(f"carrying {self.source.gen} into {self.target.gen} from write {seq}")
-        return st
 
-    # ------------------------------------------------------------------ items
-    def _map_trained(self, rows: list[tuple[int, str, str | None]]) -> list[int]:
-        """Target ids of source items (id, source, metadata): an added item keeps its id, a
-        trained one is found by its dataset and dataset index."""
-        out = []
-        for item_id, source, metadata in rows:
-            if source == "added":
-                out.append(int(item_id))
-                continue
-            if self._trained is None:
-                self._trained = {}
-                for tid, md in self.target.store._select(sql.LIVE_TRAINED):
-                    k = _dataset_key(md)
-                    if k is not None:
-                        self._trained[k] = tid
-            k = _dataset_key(metadata)
-            if k is not None and k in self._trained:
-                out.append(self._trained[k])
-        return out
+@dataclass
+class Outcome:
+    """What a run did: the target's gen (None: nothing to do), the carry, its state, the alias
+    after a switch."""
 
-    def _add(self, items: list[StoredItem], st: dict, **moves) -> None:
-        """Embed `items` with the target's model and write them (one target write per run of
-        one label, in id order); the last write also saves `st` updated with `moves`."""
-        tgt = self.target.store
-        have = tgt.existing([it.id for it in items]) if items else set()
-        items = [it for it in items if it.id not in have]
-        ok: list[StoredItem] = []
-        if items:
-            emb, worlds, errors = self.embed(items)
-            j = 0
-            for it, err in zip(items, errors, strict=True):
-                if err is not None:
-                    # (the first UNCARRIED_KEPT named, all counted: the state is re-saved
-                    # with every batch, so it stays small)
-                    st["uncarried_count"] = st.get("uncarried_count", 0) + 1
-                    if len(st["uncarried"]) < UNCARRIED_KEPT:
-                        st["uncarried"].append([it.id, it.label, err])
-                    continue
-                w = None if worlds is None else blob(worlds[j])
-                ok.append(replace(it, embedding=blob(emb[j]), world=w))
-                j += 1
-        st.update(moves)
-        runs: list[list[StoredItem]] = []
-        for it in ok:
-            if runs and runs[-1][0].label == it.label:
-                runs[-1].append(it)
-            else:
-                runs.append([it])
-        if not runs:
-            self._save_plain(st)
-            return
-        for n, run in enumerate(runs):
-            last = n == len(runs) - 1
+    gen: str | None
+    live: str
+    carry: Carry | None = None
+    state: dict | None = None
+    alias: dict | None = None
 
-            def fn(conn, seq, run=run, last=last):
-                insert_items(conn, tgt.dialect, run, seq)
-                top = int(conn.execute(tgt.dialect.q(sql.META_KEY), ("next_id",)).fetchone()[0])
-                tgt.set_meta(conn, "next_id", str(max(top, run[-1].id + 1)))
-                if last:
-                    self._save(conn, st)
 
-            self._write(fn)
-            self.carried += len(run)
+def run(
+    g: Galleries,
+    resolve: Callable[[Galleries, str], tuple[To, Embed | None] | None],
+    switch_after: bool,
+    batch: int = 64,
+    say: Callable[[str], None] = print,
+    progress: Callable[[int, int], None] | None = None,
+    live_fingerprint: str | None = None,
+) -> Outcome:
+    """One upgrade (or rollback) under the home store's carry lock: settle what a killed run
+    left, `resolve(g, live)` the target (its To and the Embed of its model; None: nothing to
+    do), carry the live gallery into it, and with `switch_after` make it live."""
+    with g.lock(say):
+        live = settle(g, say)
+        got = resolve(g, live)
+        if got is None:
+            return Outcome(None, live)
+        to, embed = got
+        if to.gen == live:
+            say(f"the gallery {to.gen} is the live one already: nothing to do")
+            return Outcome(None, live)
+        fp = live_fingerprint or registry(g.home).get(live, {}).get("model_fingerprint")
+        target = prepare(g, to, live, fp)
+        g._open.append(target)
+        carry, st = carry_into(g, live, target, to, embed, batch, say, progress)
+        a = switch(g, carry, st, say) if switch_after else None
+        return Outcome(to.gen, live, carry, st, a)
 
-    def backfill(self, st: dict) -> dict:
-        """The bulk copy, resumed after the last batch committed."""
-        src = self.source.store
-        total = src._select(
-            "SELECT COUNT(*) FROM items WHERE source = 'added' AND deleted_seq IS NULL"
-        )[0][0]
-        done = src._select(
-            src.dialect.q(
-                "SELECT COUNT(*) FROM items WHERE source = 'added' AND deleted_seq IS NULL "
-                "AND id <= {p}"
-            ),
-            (int(st["after_id"]),),
-        )[0][0]
-        self.progress(done, total)
-        while not st["backfilled"]:
-            items = src.added_items(int(st["after_id"]), self.batch)
-            if not items:
-                st["backfilled"] = True
-                self._save_plain(st)
-                break
-            self._add(items, st, after_id=items[-1].id)
-            done += len(items)
-            self.progress(done, max(total, done))
-        return st
 
-    # ------------------------------------------------------------------ the log
-    def _changes(self, read: Read, after: int) -> ChangeSet:
-        d = self.source.store.dialect
-        meta = dict(read(sql.META))
-        rows = read(d.q(sql.CHANGES), (after, after, after))
-        return ChangeSet(
-            int(meta["last_seq"]), int(meta.get("log_floor", 0)), changes_from_rows(rows, after)
-        )
+def open_galleries(cls, home_target: str) -> Galleries:
+    from service.store.registry import open_as_found
 
-    def follow(self, st: dict, read: Read | None = None) -> int:
-        """Apply the source's writes after st["source_seq"]; how many there were. `read`: the
-        source's connection inside its write transaction (the switch), else its own reads."""
-        src = self.source.store
-        read = read or src._select
-        d = src.dialect
-        cs = self._changes(read, int(st["source_seq"]))
-        if cs.floor > int(st["source_seq"]):
-            self._reconcile(read, st, cs.last_seq)
-            return 1
-        n = 0
-        for c in cs.changes:
-            if c.seq <= int(st["source_seq"]):
-                continue
-            n += 1
-            if c.op == "add":
-                items = stored_items(_rows_of_ids(read, d, sql.STORED_OF_IDS, c.ids))
-                self._add(sorted(items, key=lambda it: it.id), st, source_seq=c.seq)
-            else:
-                keys = _rows_of_ids(read, d, sql.SOURCE_KEYS_OF_IDS, c.ids)
-                ids = self._map_trained([(r[0], r[1], r[2]) for r in keys])
-                st["source_seq"] = c.seq
-
-                def fn(conn, seq, ids=ids):
-                    self.deleted += len(self.target.store._mark_deleted(conn, seq, ids, None))
-                    self._save(conn, st)
-
-                self._write(fn)
-        if cs.last_seq > int(st["source_seq"]):
-            st["source_seq"] = cs.last_seq  # writes that changed no item
-            self._save_plain(st)
-        tok = read(d.q(sql.LOG_TOKEN), (int(st["source_seq"]),))  # (names this history)
-        st["token"] = tok[0][0] if tok else None
-        self._save_plain(st)
-        return n
-
-    def _reconcile(self, read: Read, st: dict, last_seq: int) -> None:
-        """The source's log no longer reaches back to where this carry was: compare the two
-        galleries in full (adds missing in the target carried, added items gone from the
-        source deleted)."""
-        self.say("the source's log was compacted past this carry: reconciling in full")
-        tgt, d = self.target.store, self.source.store.dialect
-        live = {r[0] for r in read(sql.LIVE_ADDED_IDS)}
-        after = -1
-        while True:
-            rows = read(d.q(sql.ADDED_ITEMS), (after, self.batch))
-            if not rows:
-                break
-            items = stored_items(rows)
-            self._add(items, st)
-            after = items[-1].id
-        gone = [i for (i,) in tgt._select(sql.LIVE_ADDED_IDS) if i not in live]
-        dead = self._map_trained(
-            [
-                (r[0], "trained", r[1])
-                for r in read(
-                    "SELECT id, metadata FROM items WHERE source = 'trained' "
-                    "AND deleted_seq IS NOT NULL"
-                )
-            ]
-        )
-        st["source_seq"] = last_seq
-
-        def fn(conn, seq):
-            self.deleted += len(tgt._mark_deleted(conn, seq, gone + dead, None))
-            self._save(conn, st)
-
-        self._write(fn)
-
-    def catch_up(self, st: dict) -> dict:
-        """Rounds of follow until the source had no new write in a round (or CATCH_UP_ROUNDS)."""
-        for _ in range(CATCH_UP_ROUNDS):
-            if self.follow(st) == 0:
-                break
-        return st
-
-    # ------------------------------------------------------------------ the switch
-    def switch(self, st: dict, home: Store) -> dict:
-        """Make the target the live gallery (see the module docstring); the alias."""
-        src, tgt = self.source.store, self.target.store
-        standby = json.loads(src.meta().get(STANDBY) or "null")
-        if standby is None or standby.get("gen") != self.target.gen:
-            self.catch_up(st)
-            t0 = time.perf_counter()
-
-            def seal(conn, seq):
-                # the source's write lock is held: nothing commits there until this does
-                self.follow(st, lambda q, p=(): conn.execute(q, p).fetchall())
-                t_last = tgt.last_seq() + 1  # (the target's switch row, written next)
-                back = {
-                    "source_seq": t_last,
-                    "token": None,
-                    "after_id": -1,
-                    "backfilled": True,
-                    "uncarried": [],
-                    "started_at": utc_now(),
-                }
-                src.set_meta(conn, _key(self.target.gen), json.dumps(back, sort_keys=True))
-                live = {
-                    "gen": self.target.gen,
-                    "model_fingerprint": self.target.info.get("model_fingerprint"),
-                    "at": utc_now(),
-                }
-                src.set_meta(conn, STANDBY, json.dumps(live, sort_keys=True))
-
-            src.transaction(seal, "switch")
-            self.say(f"writes paused for {time.perf_counter() - t0:.2f} s while switching")
-        seq, _ = tgt.transaction(lambda conn, seq: tgt.set_meta(conn, STANDBY, None), "switch")
-        # the carry back starts at the target's switch row: record that write's token
-        back_key = _key(self.target.gen)
-        tok = tgt.log_token(seq)
-
-        def fix(conn):
-            rows = conn.execute(src.dialect.q(sql.META_KEY), (back_key,)).fetchall()
-            back = json.loads(rows[0][0]) if rows else None
-            if back is not None and back.get("token") is None:
-                back["source_seq"], back["token"] = seq, tok
-                src.set_meta(conn, back_key, json.dumps(back, sort_keys=True))
-
-        src.plain(fix)
-        return set_alias(home, self.target.gen, self.source.gen)
+    return Galleries(cls, home_target, open_as_found(home_target))

@@ -106,33 +106,60 @@ def galleries(args: dict, say=print) -> int:
 def upgrade(args: dict, say=print) -> int:
     """Carry the live gallery into --to's gallery (built beside it, resumable), and with
     --switch make it the live one."""
-    from embedding.progress import Progress
-    from embedding.rundir import RunDir
-    from service.store.galleries import gen_of, live_gen, register, registry
-    from service.store.records import STANDBY
-    from service.store.registry import open_as_found
-    from service.store.upgrade import Carry, Side
-
-    settings = settings_of(args)
     to = Path(args["to"]).resolve()
     to_index = Path(args.get("to_index") or to / "index").resolve()
+    return _carry(args, lambda g: (to, to_index), bool(args.get("switch")), say)
+
+
+def rollback(args: dict, say=print) -> int:
+    """Switch back to the gallery the alias names as previous (carrying the writes made
+    since the switch into it first). Which one is read under the carry lock, so a rollback
+    that waited for an upgrade rolls that upgrade back."""
+    from service.store.galleries import alias, registry
+
+    def previous(g) -> tuple[Path, Path]:
+        a = alias(g.home)
+        if a is None or not a.get("previous"):
+            raise SNCAError("nothing to roll back: this store was never switched")
+        info = registry(g.home).get(a["previous"], {})
+        if not info.get("model_dir"):
+            raise SNCAError(
+                f"the previous gallery {a['previous']} does not record its model: run "
+                "snca-gallery upgrade --to ITS_RUN_DIR --switch"
+            )
+        model = Path(info["model_dir"])
+        return model, Path(info.get("index_dir") or model / "index")
+
+    return _carry(args, previous, True, say)
+
+
+def _carry(args: dict, resolve, switch: bool, say) -> int:
+    """Under the home store's carry lock (service/store/upgrade.py `run`): finish a switch a
+    killed run began, resolve the target (run dir, index dir), carry the live gallery into its
+    gallery, and switch."""
+    from embedding.index import open_index_dir
+    from embedding.rundir import RunDir
+    from service.store.galleries import gen_of, register, registry
+    from service.store.registry import backend_class
+    from service.store.upgrade import To, open_galleries, run
+
+    settings = settings_of(args)
     cls, home, h = _open_home(settings)
-    stores = [h]
-    runtime = None
-    try:
-        reg = registry(h)
-        live = live_gen(h)
-        src_target = _gallery_target(cls, home, h, live)
-        source = open_as_found(src_target)
-        stores.append(source)
-        sm = source.meta()
-        if live not in reg:  # the home gallery, first upgrade: record what serves it
+    h.close()
+    g = open_galleries(backend_class(home), home)
+    runtimes = []
+    bar, progress = _bar(args)
+    shown = contextlib.ExitStack()  # the progress line, from when there is something to embed
+
+    def target(g, live):
+        if live not in registry(g.home):  # the home gallery, first upgrade: what serves it
+            sm = g.home.meta()
             model_dir = None  # (--model, when it is that gallery's model: rollback needs it)
             with contextlib.suppress(SNCAError, OSError, ValueError):
                 if RunDir(settings.model).load_model_card()[1] == sm["model_fingerprint"]:
                     model_dir = str(Path(settings.model).resolve())
             register(
-                h,
+                g.home,
                 live,
                 {
                     "model_fingerprint": sm["model_fingerprint"],
@@ -141,124 +168,96 @@ def upgrade(args: dict, say=print) -> int:
                     "index_dir": str(Path(settings.index).resolve()) if model_dir else None,
                 },
             )
-        from embedding.index import open_index_dir
-        from service.model.runtime import ModelRuntime
-        from service.startup import load_world
-
+        to, to_index = resolve(g)
         model = RunDir(to).load_model()
         ix = open_index_dir(to_index, expected_fingerprint=model.fingerprint)
         gen = gen_of(model.fingerprint, ix.manifest.index_id)
         if gen == live:
-            say(f"the gallery of {to} ({gen}) is the live one already: nothing to do")
-            return 0
-        target = _gallery_target(cls, home, h, gen)
+            return None
         info = {
             "model_fingerprint": model.fingerprint,
             "index_id": ix.manifest.index_id,
             "model_dir": str(to),
             "index_dir": str(to_index),
         }
-        fresh = not cls.exists(target)
-        if fresh and settings.store_url is None:
-            Path(target).parent.mkdir(parents=True, exist_ok=True)
-        tstore = cls(target, ix.store, model.fingerprint, ix.manifest.index_id)
-        stores.append(tstore)
-        if STANDBY not in tstore.meta():  # on standby before any server can find it (registered
-            # below; also when a first run died between creating and flagging it)
-            flag = json.dumps({"gen": live, "model_fingerprint": sm["model_fingerprint"]})
-            tstore.plain(lambda c: tstore.set_meta(c, STANDBY, flag))
-        register(h, gen, info)
-        # (no warm-up of every batch size, no fused copies: serving latency, not bulk work)
-        tsettings = settings_of(
-            args, model=to, index=to_index, model_process=False, warmup_seconds=0.0, fused_batches=0
-        )
-        world = load_world(tsettings, ix, model.fingerprint)
-        runtime = ModelRuntime.load(tsettings, model, ix.manifest.space, world=world is not None)
 
-        def embed(items):
-            errors: list[str | None] = [None] * len(items)
-            with_image = [i for i, it in enumerate(items) if it.image is not None]
-            emb, stats, errs = runtime.embed_stored([items[i].image for i in with_image])
-            for i, e in zip(with_image, errs, strict=True):
-                errors[i] = None if e is None else f"the stored image cannot be read: {e}"
-            for i, it in enumerate(items):
-                if it.image is None:
-                    errors[i] = "no stored image (added with SNCA_STORE_IMAGES off, or too large)"
-            return emb, stats, errors
+        def open_target(seed_meta):
+            target = g.target_of(gen)
+            return cls(target, ix.store, model.fingerprint, ix.manifest.index_id, seed_meta)
 
-        bar = Progress(None, "re-embedding", "item", enabled=args.get("progress", True))
-        last = {"done": 0}
+        runtimes.append(_runtime(args, to, to_index, ix, model))
+        shown.enter_context(bar)
+        return To(gen, info, open_target), _embedder(runtimes[-1])
 
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - last["done"])
-            last["done"] = done
-
-        carry = Carry(
-            Side(source, live, reg.get(live, {})),
-            Side(tstore, gen, info),
-            embed,
-            int(args.get("batch_size") or 64),
-            say,
-            progress,
-        )
-        with bar:
-            st = carry.begin()
-            carry.backfill(st)
-        carry.catch_up(st)
+    try:
+        out = run(g, target, switch, int(args.get("batch_size") or 64), say, progress)
+        shown.close()
+        if out.gen is None:
+            say(f"the gallery of that model ({out.live}) is the live one already: nothing to do")
+            return 0
+        st, gen, live = out.state, out.gen, out.live
+        n_un = st.get("uncarried_count", len(st["uncarried"]))
         say(
-            f"{gen}: {carry.carried} items carried, {carry.deleted} deleted, up to write "
+            f"{gen}: {out.carry.carried} items carried, {out.carry.deleted} deleted, up to write "
             f"{st['source_seq']} of {live}"
-            + (
-                f"; {st.get('uncarried_count', len(st['uncarried']))} could not be carried "
-                "(they stay in the old gallery)"
-                if st["uncarried"]
-                else ""
-            )
+            + (f"; {n_un} could not be carried (they stay in the old gallery)" if n_un else "")
         )
         for item_id, label, why in st["uncarried"][:20]:
             say(f"  not carried: item {item_id} ({label}): {why}")
-        if args.get("switch"):
-            a = carry.switch(st, h)
+        if out.alias is not None:
             say(
-                f"switched: {gen} ({to}) is live; {live} is on standby (snca-gallery rollback "
-                f"switches back) at {a['switched_at']}"
+                f"switched: {gen} ({out.carry.target.info.get('model_dir')}) is live; {live} is "
+                f"on standby (snca-gallery rollback switches back) at {out.alias['switched_at']}"
             )
         else:
             say(
-                f"servers started with --model {to} serve {gen} (read-only until the switch); "
+                f"servers started with that model serve {gen} (read-only until the switch); "
                 "run again with --switch to make it the live gallery"
             )
         return 0
     finally:
-        if runtime is not None:
-            runtime.close()
-        for s in reversed(stores):
-            s.close()
+        shown.close()
+        for r in runtimes:
+            r.close()
+        g.close()
+        g.home.close()
 
 
-def rollback(args: dict, say=print) -> int:
-    """Switch back to the gallery the alias names as previous (carrying the writes made
-    since the switch back into it first)."""
-    from service.store.galleries import alias, registry
+def _runtime(args: dict, to: Path, to_index: Path, ix, model):
+    """The target model, loaded to re-embed stored images (no warm-up of every batch size,
+    no fused copies: bulk work, not serving latency)."""
+    from service.model.runtime import ModelRuntime
+    from service.startup import load_world
 
-    settings = settings_of(args)
-    _, _, h = _open_home(settings)
-    try:
-        a = alias(h)
-        if a is None or not a.get("previous"):
-            raise SNCAError("nothing to roll back: this store was never switched")
-        info = registry(h).get(a["previous"], {})
-    finally:
-        h.close()
-    if not info.get("model_dir"):
-        raise SNCAError(
-            f"the previous gallery {a['previous']} does not record its model: run "
-            "snca-gallery upgrade --to ITS_RUN_DIR --switch"
-        )
-    return upgrade(
-        {**args, "to": info["model_dir"], "to_index": info.get("index_dir"), "switch": True}, say
+    tsettings = settings_of(
+        args, model=to, index=to_index, model_process=False, warmup_seconds=0.0, fused_batches=0
     )
+    world = load_world(tsettings, ix, model.fingerprint)
+    return ModelRuntime.load(tsettings, model, ix.manifest.space, world=world is not None)
+
+
+def _embedder(runtime):
+    """The carry's Embed over the runtime: (embeddings, world statistics, per item an error)."""
+
+    def embed(items):
+        emb, stats, errs = runtime.embed_stored([it.image for it in items])
+        return emb, stats, list(errs)
+
+    return embed
+
+
+def _bar(args: dict):
+    from embedding.progress import Progress
+
+    bar = Progress(None, "re-embedding", "item", enabled=args.get("progress", True))
+    last = {"done": 0}
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - last["done"])
+        last["done"] = done
+
+    return bar, progress
 
 
 # ---------------------------------------------------------------------------- backups
@@ -300,12 +299,36 @@ def verify(args: dict, say=print) -> int:
 
 
 def restore(args: dict, say=print) -> int:
+    """Verify a backup and restore it into the home store's place, which must hold no gallery
+    and nothing of an earlier history beside it: other models' galleries left by upgrades (or a
+    half-done migration) are refused, or with --discard-galleries moved aside (kept: SQLite
+    into DATA_DIR/previous/discarded-STAMP/, PostgreSQL schemas renamed discarded_STAMP_*),
+    because their carry state belongs to a history the backup may not have."""
+    from embedding.gallery import utc_now
     from service.store import backup as b
     from service.store.registry import backend_class
 
     settings = settings_of(args)
     target = home_of(settings)
-    m = b.restore(backend_class(target), Path(args["backup"]), target, _shown(target), say)
+    cls = backend_class(target)
+    b.verify(Path(args["backup"]))  # (a broken backup is refused before anything is moved)
+    if cls.exists(target):
+        raise SNCAError(
+            f"{_shown(target)} holds a gallery: restore into an empty data dir or database"
+        )
+    found = cls.leftovers(target)
+    if found and not args.get("discard_galleries"):
+        raise SNCAError(
+            f"{_shown(target)} has galleries of an earlier history beside it ("
+            + ", ".join(found)
+            + "): a restore into this place would mix histories; move them away first, or run "
+            "again with --discard-galleries (they are kept, moved aside)"
+        )
+    if found:
+        stamp = utc_now().replace(":", "").replace("+00:00", "Z").replace("-", "")
+        for where in cls.discard(target, found, stamp):
+            say(f"moved aside: {where}")
+    m = b.restore(cls, Path(args["backup"]), target, _shown(target), say)
     say(
         f"restored into {_shown(target)}: {m['items']} items at write {m['last_seq']}, checksum "
         f"{m['checksum'][:16]} (verified on the restored store); serve it with the model "

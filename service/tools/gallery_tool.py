@@ -43,6 +43,7 @@ from pathlib import Path
 
 from embedding.cliutil import positive_int
 from embedding.errors import SNCAError
+from service.store.records import Keyed, Replayed
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 EXT = {"image/png": "png", "image/jpeg": "jpg", "image/webp": "webp", "image/gif": "gif"}
@@ -149,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     rs.add_argument("backup", type=Path, help="a folder `snca-gallery backup` wrote")
+    rs.add_argument(
+        "--discard-galleries",
+        action="store_true",
+        help="move aside other models' galleries left in the place (kept, not deleted); "
+        "without it a restore next to them is refused",
+    )
     _shared_flags(rs)
     co = sub.add_parser(
         "compact",
@@ -386,14 +393,20 @@ def _write(state, ready: list) -> int:
             (p.data, p.mime) if s.store_images and len(p.data) <= s.max_stored_image_bytes else None
             for p in ps
         ]
-        state.add(
-            label,
-            emb[rows],
-            [ready[i][2] for i in rows],
-            stored,
-            [p.thumbnail for p in ps],
-            None if stats is None else stats[rows],
-        )
+        # one Idempotency-Key per batch and label, from the images' digests: a rerun that
+        # forms the same batch is answered by the first write, never writes it twice
+        ident = json.dumps([label, [ready[i][2] for i in rows]], sort_keys=True)
+        key = "import-" + hashlib.sha256(ident.encode()).hexdigest()[:40]
+        with contextlib.suppress(Replayed):
+            state.add(
+                label,
+                emb[rows],
+                [ready[i][2] for i in rows],
+                stored,
+                [p.thumbnail for p in ps],
+                None if stats is None else stats[rows],
+                Keyed(key, key, s.idempotency_ttl_s),
+            )
     return len(ready)
 
 

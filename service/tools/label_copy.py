@@ -16,6 +16,7 @@ arguments.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -45,12 +46,20 @@ def _multipart(fields: list[tuple[str, str]], files: list[tuple[str, bytes, str]
     return bytes(out), f"multipart/form-data; boundary={boundary}"
 
 
-def _request(url: str, key: str | None, body: bytes | None = None, ctype: str | None = None):
+def _request(
+    url: str,
+    key: str | None,
+    body: bytes | None = None,
+    ctype: str | None = None,
+    idempotency: str | None = None,
+):
     req = urllib.request.Request(url, data=body, method="POST" if body is not None else "GET")
     if ctype:
         req.add_header("Content-Type", ctype)
     if key:
         req.add_header("X-API-Key", key)
+    if idempotency:
+        req.add_header("Idempotency-Key", idempotency)
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())
@@ -132,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
                 [("label", label), ("metadata", json.dumps([md for _, md, _, _ in part]))],
                 [("images", img, mime or "application/octet-stream") for _, _, img, mime in part],
             )
+            # one Idempotency-Key per batch, from the items it carries: a rerun after a
+            # failure (or with --append) is answered for the batches sent before, not doubled
+            ident = f"{a.store.resolve()}:{label}:{[i for i, _, _, _ in part]}"
+            batch_key = "label-copy-" + hashlib.sha256(ident.encode()).hexdigest()[:40]
             try:
-                r = _request(f"{url}/gallery/add", key, body, ctype)
+                r = _request(f"{url}/gallery/add", key, body, ctype, batch_key)
             except RuntimeError as e:
                 print(
                     f"migrate: error: label {label!r}, items {part[0][0]}..{part[-1][0]}: {e} "

@@ -58,6 +58,10 @@ class PostgresServer:
     def start(self) -> None:
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "log"), "-w", "start")
 
+    def start_if_stopped(self) -> None:
+        if self._run("pg_ctl", "-D", str(self.data), "status", check=False).returncode != 0:
+            self.start()
+
     def stop(self, mode: str = "fast") -> None:
         self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop", check=False)
 

@@ -169,3 +169,27 @@ def test_scopes_combine_and_compare_every_key():
     assert ring.scope("") is None and ring.scope(None) is None
     assert ring.needs_key("read") and ring.needs_key("write") and not ring.needs_key("public")
     assert not KeyRing([]).needs_key("write")
+
+
+def test_a_key_file_rewritten_in_place_is_applied_only_once_whole(tmp_path, monkeypatch):
+    """A key file caught half-rewritten in place (its `write:` line there, its `read:` line
+    not yet) opened the reads for a moment and turned the read key's 403 into 401 (issue 39,
+    finding 9). Now a file rewritten in place is applied only once it has not changed for
+    SETTLE_S; one renamed into place (whole by construction) at once."""
+    from service.http import keys
+
+    monkeypatch.setattr(keys, "RECHECK_S", 0.0)
+    f = tmp_path / "keys"
+    f.write_text(f"read:{READ}\nwrite:{WRITE}\n")
+    ring = KeyRing([], f)
+    assert ring.reads_protected and ring.scope(READ) == "read"
+    with open(f, "w") as out:  # in place, as `>` or an editor without a rename does
+        out.write(f"write:{WRITE}\n")  # ... and the read line has not come yet
+    assert ring.reads_protected and ring.scope(READ) == "read"  # the keys in force stay
+    assert ring.reloads == 1
+    past = time.time() - 2 * keys.SETTLE_S  # the file has not changed since: whole
+    os.utime(f, (past, past))
+    assert not ring.reads_protected and ring.scope(READ) is None
+    assert ring.reloads == 2
+    _rewrite(f, f"read:{OLD}\nwrite:{WRITE}\n")  # a rename: applied at once
+    assert ring.scope(OLD) == "read" and ring.reloads == 3

@@ -174,7 +174,8 @@ def test_migration_resumes_after_a_crash_and_loses_nothing(
             run(crash_at=3)
         assert _meta(store)["model_fingerprint"] == old_fp  # the old store is still the store
         half = sqlite3.connect(data / "gallery.sqlite.migrating")
-        assert half.execute("SELECT COUNT(*) FROM carried").fetchone()[0] == 16
+        added = "SELECT COUNT(*) FROM items WHERE source = 'added'"
+        assert half.execute(added).fetchone()[0] == 16
         half.close()
 
         real = migration.os.replace

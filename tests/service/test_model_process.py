@@ -186,10 +186,43 @@ def test_model_process_killed_under_load(base_run, tmp_path, fmnist_train, fmnis
 
 
 @pytest.mark.slow
-def test_a_killed_front_takes_its_model_process_with_it(base_run, tmp_path):
-    s = Server(base_run, tmp_path / "data", model_process=True)
+def test_a_stopped_model_process_is_bounded_and_replaced_and_a_killed_front_takes_it(
+    base_run, tmp_path, fmnist_test
+):
+    """A model process that stops answering (SIGSTOP: a hung forward, swap, a debugger) held
+    /classify, /search and /gallery/add forever while /readyz said ready (issue 39, finding
+    5). Now every wait is bounded by SNCA_MODEL_TIMEOUT_S: 503 model_unavailable (a write says
+    it was not committed), /readyz 503, the process killed and replaced. Its environment holds
+    no API key (a low finding: SNCA_API_KEYS was passed on). Then a killed front takes its
+    model process with it."""
+    key = "fence-key-0001"
+    env = {"SNCA_MODEL_TIMEOUT_S": "3", "SNCA_API_KEYS": f"write:{key}"}
+    s = Server(base_run, tmp_path / "data", env, model_process=True)
     model = readyz(s.url).json()["model_pid"]
     assert alive(model)
+    with open(f"/proc/{model}/environ", "rb") as f:
+        assert b"SNCA_API_KEY" not in f.read().upper()
+    img = png(fmnist_test, 0)
+    os.kill(model, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with httpx.Client(base_url=s.url, timeout=30, headers={"X-API-Key": key}) as c:
+            r = c.post("/classify", files={"image": ("q.png", img, "image/png")})
+            took = time.monotonic() - t0
+            assert r.status_code == 503 and r.json()["code"] == "model_unavailable", r.text
+            assert r.headers["Retry-After"] and took < 3 + 3, took  # (the bound, + a watch)
+            r = c.post("/gallery/add", data={"label": "x"}, files={"images": ("a.png", img)})
+            assert r.status_code == 503, r.text
+            assert r.json()["code"] == "model_unavailable" and r.json()["committed"] is False
+        until(lambda: readyz(s.url).status_code == 503, timeout=10)
+        until(lambda: not alive(model), timeout=10)  # killed (SIGKILL works while stopped)
+    finally:
+        if alive(model):
+            os.kill(model, signal.SIGCONT)
+    s.wait("/readyz", timeout=120)  # a new model process
+    model = readyz(s.url).json()["model_pid"]
+    r = httpx.post(s.url + "/search", files={"image": ("q.png", img, "image/png")}, timeout=30)
+    assert r.status_code == 200, r.text
     s.kill(signal.SIGKILL)
     until(lambda: not alive(model), timeout=10)
 

@@ -409,6 +409,36 @@ def test_store_unavailable_answers_503_and_changes_nothing(client, fmnist_test, 
     assert client.post("/classify", files=img(fmnist_test, 0)).status_code == 200  # reads go on
 
 
+def test_a_write_committed_before_the_store_failed_says_it_was_committed(
+    client, fmnist_test, monkeypatch
+):
+    """The history checker's finding (issue 39): on PostgreSQL stopped just after a write
+    committed, the writer's catch-up of the log (another process had written meanwhile)
+    failed and the write was answered 503 "nothing was changed" although it was made; a
+    client that believed it lost an add, or kept an item it had deleted. Now: 503
+    write_not_applied, committed: true, and the follower applies it once the store is back."""
+    from service.store import StoreUnavailable
+
+    state = client.app.state.snca.state
+    files = {"images": ("a.png", png(fmnist_test, 0), "image/png")}
+    r = client.post("/gallery/add", data={"label": "x"}, files=files)
+    assert r.status_code == 201
+
+    def down(*a, **k):
+        raise StoreUnavailable("the gallery store failed: server closed the connection")
+
+    state.gallery.version -= 1  # as if another process wrote: this one catches up after its write
+    monkeypatch.setattr(state.store, "changes_after", down)
+    r = client.post("/gallery/add", data={"label": "y"}, files=files)
+    body = r.json()
+    assert r.status_code == 503 and body["code"] == "write_not_applied", r.text
+    assert body["committed"] is True and body["gallery_version"] > 0
+    assert [row.label for row in state.store.item_rows(-1, 10, "y")] == ["y"]  # it was made
+    monkeypatch.undo()
+    state.catch_up()
+    assert state.gallery.count_of("y") == 1
+
+
 def test_metrics_and_openapi(client, fmnist_test):
     client.post("/classify", files=img(fmnist_test, 0))
     text = client.get("/metrics").text
@@ -460,3 +490,37 @@ def test_api_key_from_a_file_and_empty_key_means_none(base_run, tmp_path, fmnist
         assert c.post("/gallery/add", data={"label": "x"}, files=f).status_code == 401
         h = {"X-API-Key": "from-a-secret"}
         assert c.post("/gallery/add", data={"label": "x"}, files=f, headers=h).status_code == 201
+
+
+def test_a_retried_write_with_its_idempotency_key_is_answered_once(base_run, tmp_path, fmnist_test):
+    """Writes take an Idempotency-Key (issue 39): a retry with the same key and request is
+    answered with the first outcome and writes nothing again, also after a restart (the record
+    is in the store, so every replica has it); the same key for another request is 422."""
+    files = [("images", ("a.png", png(fmnist_test, 1), "image/png"))]
+    k = {"Idempotency-Key": "9b1deb4d-3b7d-4bad-9bdd-2b0d7b3dcb6d"}
+    with make_client(base_run, tmp_path / "serve") as c:
+        first = c.post("/gallery/add", data={"label": "once"}, files=files, headers=k)
+        assert first.status_code == 201 and "Idempotent-Replayed" not in first.headers
+        again = c.post("/gallery/add", data={"label": "once"}, files=files, headers=k)
+        assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+        assert again.json()["ids"] == first.json()["ids"] and again.json()["count"] == 1
+        other = c.post("/gallery/add", data={"label": "other"}, files=files, headers=k)
+        assert other.status_code == 422 and other.json()["code"] == "idempotency_key_reused"
+        bad = c.post(
+            "/gallery/add", data={"label": "x"}, files=files, headers={k_: "a b" for k_ in k}
+        )
+        assert bad.status_code == 422 and bad.json()["code"] == "header_invalid"
+        d = {"Idempotency-Key": "delete-once-1"}
+        item = first.json()["ids"][0]
+        gone = c.delete(f"/gallery/items/{item}", headers=d)
+        assert gone.status_code == 200, gone.text
+        assert c.delete(f"/gallery/items/{item}").status_code == 404  # (without the key)
+        doc = c.get("/openapi.json").json()
+        params = doc["paths"]["/gallery/add"]["post"]["parameters"]
+        assert "Idempotency-Key" in {p["name"] for p in params}
+    with make_client(base_run, tmp_path / "serve") as c:  # restarted: the records are kept
+        r = c.delete(f"/gallery/items/{item}", headers=d)
+        assert r.status_code == 200 and r.json() == gone.json(), r.text
+        r = c.post("/gallery/add", data={"label": "once"}, files=files, headers=k)
+        assert r.status_code == 201 and r.json()["ids"] == first.json()["ids"]
+        assert "once" not in {x["label"] for x in c.get("/gallery/labels").json()["labels"]}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from embedding.gallery import create_store, schema_statements
-from service.store import BACKENDS, NothingChanged, Store, StoreReader, backend_of
+from service.store import BACKENDS, NothingChanged, Store, StoreReader, backend_of, sql
 from service.store.postgres import PostgresStore
 from service.store.sqlite import SqliteStore
 
@@ -75,7 +75,53 @@ def test_the_registry_picks_the_backend_by_target(tmp_path):
 def test_both_backends_create_the_same_tables():
     for dialect in ("sqlite", "postgresql"):
         names = [s.split()[2] for s in schema_statements(dialect) if s.startswith("CREATE TABLE")]
-        assert names == ["meta", "items", "log"], dialect
+        assert names == ["meta", "items", "log", "tombstones", "requests"], dialect
+
+
+def test_a_store_of_schema_5_gets_the_new_tables_and_keeps_its_writes(store, seed):
+    """Schema 6 added the tables tombstones and requests: a store written before gets them
+    (empty) when opened, on both backends, and its items stay."""
+    seq, ids = store.add("x", vecs(1), [None], [None])
+    drop = ["DROP TABLE tombstones", "DROP TABLE requests"]
+
+    def older(conn):
+        for stmt in drop:
+            conn.execute(stmt)
+        conn.execute(store.dialect.q(sql.SET_META), ("5", "schema_version"))
+
+    store.plain(older)
+    cls, target = type(store), store.url if isinstance(store, SqliteStore) else store._dsn
+    store.close()
+    again = cls(target, seed, FP, INDEX)
+    try:
+        assert again.meta()["schema_version"] == "6"
+        assert again._select("SELECT COUNT(*) FROM tombstones")[0][0] == 0
+        assert [i.id for i in again.live_items() if i.source == "added"] == ids
+        assert again.delete(label="x")[0] > seq  # and writes tombstones now
+        assert again._select("SELECT kind, name FROM tombstones") == [("label", "x")]
+    finally:
+        again.close()
+
+
+def test_deletes_leave_tombstones_and_keyed_writes_replay(store):
+    """A label's delete leaves a label tombstone, a trained item's delete by id a trained one
+    (its [dataset, dataset_index]); a write under a used Idempotency-Key writes nothing and
+    says what the first one did."""
+    from service.store.records import Keyed, Replayed
+
+    k = Keyed("key-1", "digest-1")
+    seq, ids = store.add("x", vecs(2), [None, None], [None, None], keyed=k)
+    with pytest.raises(Replayed) as e:
+        store.add("x", vecs(2), [None, None], [None, None], keyed=k)
+    assert (e.value.seq, e.value.outcome["ids"], e.value.same) == (seq, ids, True)
+    with pytest.raises(Replayed) as e:
+        store.add("y", vecs(1), [None], [None], keyed=Keyed("key-1", "other"))
+    assert not e.value.same and store.last_seq() == seq  # nothing written
+    assert store.request("key-1") == ("digest-1", seq, {"op": "add", "ids": ids, "label": "x"})
+    assert store.delete([0])[0]  # a trained item, by id
+    assert store.delete(label="b")[0]
+    rows = sorted(store._select("SELECT kind, name FROM tombstones"))
+    assert rows == [("label", "b"), ("trained", "[null, 0]")]
 
 
 def test_seeded_store_holds_the_trained_items(store):

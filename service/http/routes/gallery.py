@@ -15,8 +15,11 @@ from starlette.concurrency import run_in_threadpool
 from embedding.thumbnails import thumbnail_mime
 from service.http.deps import GuardedRoute, StateDep, access
 from service.http.inputs import (
+    IDEMPOTENCY_HEADER,
+    IDEMPOTENCY_PARAMETER,
     LABEL_PATTERN,
     check_label,
+    idempotency_key,
     missing,
     normalize_label,
     parse_metadata,
@@ -36,6 +39,7 @@ from service.http.schemas import (
     LabelsResult,
 )
 from service.store import ItemRow
+from service.store.records import Keyed, Replayed
 
 router = APIRouter(prefix="/gallery", tags=["gallery"], route_class=GuardedRoute)
 
@@ -71,7 +75,11 @@ WRITE_ERRORS = {
     408: {"model": ErrorBody, "description": "the body arrived too slowly"},
     413: {"model": ErrorBody, "description": "too many or too large images / metadata"},
     415: {"model": ErrorBody, "description": "not an image"},
-    422: {"model": ErrorBody, "description": "invalid field or unknown query parameter"},
+    422: {
+        "model": ErrorBody,
+        "description": "invalid field or unknown query parameter, or an Idempotency-Key used "
+        "before for another request",
+    },
     503: {
         "model": ErrorBody,
         "description": "not ready, or the gallery store cannot be written (nothing was changed)",
@@ -124,7 +132,7 @@ def _add_body() -> dict:
     response_model=AddResult,
     responses={**WRITE_ERRORS, 201: {"description": "added; Location: the first new item"}},
     summary="Register images under a label (new or existing); classifiable on return",
-    openapi_extra=access("write", requestBody=_add_body()),
+    openapi_extra=access("write", requestBody=_add_body(), parameters=[IDEMPOTENCY_PARAMETER]),
 )
 async def add(request: Request, state: StateDep):
     s = state.settings
@@ -142,9 +150,13 @@ async def add(request: Request, state: StateDep):
             "too_many_files",
             f"{len(datas)} images; the limit is {s.max_images_per_request} per request",
         )
-    md = parse_metadata(
-        text_field(form, "metadata", "metadata_invalid"), len(datas), s.max_metadata_bytes
-    )
+    md_text = text_field(form, "metadata", "metadata_invalid")
+    md = parse_metadata(md_text, len(datas), s.max_metadata_bytes)
+    keyed = idempotency_key(request, s.idempotency_ttl_s, "add", label, md_text or "", *datas)
+    if keyed is not None:  # a retry: answered as the first attempt was, nothing embedded
+        found = await run_in_threadpool(state.store.request, keyed.key)
+        if found is not None:
+            return await _added_before(state, keyed, *found)
     prepared = await state.runtime.prepare_async(
         datas, [f"images[{i}]" for i in range(len(datas))], thumbnails=s.thumbnails
     )
@@ -155,7 +167,10 @@ async def add(request: Request, state: StateDep):
         for p in prepared
     ]
     thumbs = [p.thumbnail for p in prepared]
-    ids, seq = await run_in_threadpool(state.add, label, emb, md, stored, thumbs, stats)
+    try:
+        ids, seq = await run_in_threadpool(state.add, label, emb, md, stored, thumbs, stats, keyed)
+    except Replayed as e:  # its first attempt committed meanwhile (a concurrent retry)
+        return await _added_before(state, keyed, keyed.digest if e.same else "", e.seq, e.outcome)
     await state.runtime.sync(seq)  # acknowledged once the model votes with them
     diag = await run_in_threadpool(
         state.gallery.diagnose, label, s.vote, s.k, s.unknown_tpr, ids, emb, stats
@@ -170,6 +185,30 @@ async def add(request: Request, state: StateDep):
     return JSONResponse(
         out.model_dump(), status_code=201, headers={"Location": f"/gallery/items/{ids[0]}"}
     )
+
+
+REPLAYED = "Idempotent-Replayed"  # set on an answer that replays a key's first outcome
+
+
+async def _replay(state, keyed: Keyed, digest: str, seq: int, outcome: dict, op: str) -> None:
+    """A key used before: 422 unless for this very request, else wait until the model process
+    applied that first write (as its answer did)."""
+    if digest != keyed.digest or outcome.get("op") != op:
+        raise Problem(
+            422,
+            "idempotency_key_reused",
+            f"this {IDEMPOTENCY_HEADER} was used by another request (gallery version {seq}) "
+            "with other content; nothing was changed (use a new key for a new request)",
+        )
+    await state.runtime.sync(seq)
+
+
+async def _added_before(state, keyed: Keyed, digest: str, seq: int, outcome: dict):
+    await _replay(state, keyed, digest, seq, outcome, "add")
+    ids, label = outcome["ids"], outcome["label"]
+    out = AddResult(ids=ids, label=label, count=state.gallery.count_of(label), gallery_version=seq)
+    headers = {"Location": f"/gallery/items/{ids[0]}", REPLAYED: "true"}
+    return JSONResponse(out.model_dump(), status_code=201, headers=headers)
 
 
 @router.get(
@@ -297,14 +336,35 @@ def _delete_route(path: str, summary: str):
         response_model=DeleteResult,
         responses=WRITE_ERRORS | {404: {"model": ErrorBody, "description": "nothing to delete"}},
         summary=summary,
-        openapi_extra=access("write"),
+        openapi_extra=access("write", parameters=[IDEMPOTENCY_PARAMETER]),
     )
 
 
-async def _delete(state, ids: list[int] | None, label: str | None, code: str, what: str):
+async def _delete(
+    request: Request, state, ids: list[int] | None, label: str | None, code: str, what: str
+):
     """Delete the live items among `ids`, or of `label`, as the store has them (a replica
-    that has not applied an add yet still deletes it); 404 `code` naming `what` when none."""
-    rows, seq = await run_in_threadpool(state.delete, ids, label)
+    that has not applied an add yet still deletes it); 404 `code` naming `what` when none.
+    With an Idempotency-Key, a retry of a delete that was made is answered as it was."""
+    asked = ("delete", "label", label) if label is not None else ("delete", "ids", str(ids))
+    keyed = idempotency_key(request, state.settings.idempotency_ttl_s, *asked)
+    found = None
+    if keyed is not None:
+        found = await run_in_threadpool(state.store.request, keyed.key)
+    if found is None:
+        try:
+            rows, seq = await run_in_threadpool(state.delete, ids, label, keyed)
+        except Replayed as e:
+            found = (keyed.digest if e.same else "", e.seq, e.outcome)
+    if found is not None:
+        await _replay(state, keyed, *found, "delete")
+        _, seq, outcome = found
+        out = DeleteResult(
+            deleted=sorted(r[0] for r in outcome["rows"]),
+            label=outcome["label"] or outcome["rows"][0][1],
+            gallery_version=seq,
+        )
+        return JSONResponse(out.model_dump(), headers={REPLAYED: "true"})
     if not rows:
         raise Problem(404, code, f"no {what} in the gallery")
     await state.runtime.sync(seq)  # acknowledged once the model votes without them
@@ -314,14 +374,14 @@ async def _delete(state, ids: list[int] | None, label: str | None, code: str, wh
 
 
 @_delete_route("/labels/{label:path}", "Delete every item of a label")
-async def delete_label(state: StateDep, label: str):
+async def delete_label(request: Request, state: StateDep, label: str):
     label = normalize_label(label)
-    return await _delete(state, None, label, "label_unknown", f"label {label!r}")
+    return await _delete(request, state, None, label, "label_unknown", f"label {label!r}")
 
 
 @_delete_route("/items/{item_id}", "Delete one item")
-async def delete_item(state: StateDep, item_id: ItemId):
-    return await _delete(state, [item_id], None, "item_unknown", f"item {item_id}")
+async def delete_item(request: Request, state: StateDep, item_id: ItemId):
+    return await _delete(request, state, [item_id], None, "item_unknown", f"item {item_id}")
 
 
 @router.get(

@@ -1,0 +1,519 @@
+"""The one carry engine: a gallery carried into another model's gallery while it keeps taking
+writes, with two endings (service/store/migration.py: the new store swapped into place at
+start-up; service/store/upgrade.py: the alias switched to it, and back).
+
+    begin      the carry's state, resumed (checked to come from the same history of the source)
+               or started: the source's head read first, the target reconciled with the source
+               (tombstones: added items the source no longer holds, trained items the source
+               deleted, labels the source deleted), the target's id counter moved past the
+               source's
+    backfill   every live added item of the source, in id order, re-embedded by the target's
+               model from its stored image (or kept, same model), one target write per run of
+               one label; each write also records how far the copy got
+    follow     the source's log after the saved seq: each source write applied in one target
+               write that records that seq and its token (exactly once, resumable anywhere)
+    seal       the last follow inside a write transaction of the source (its write lock:
+               nothing commits there meanwhile), and the ending's own writes in it
+
+Rules, the same for every ending:
+- **Ids.** An added item keeps its id in every gallery of a home store (the target's counter
+  moves past the source's). Only a target that replaces its source for good (the swap ending)
+  may renumber, when the new index's trained items reach the first added id; the `carried`
+  table then maps old ids to new ones.
+- **Tombstones.** A delete is never undone by a carry, whatever the order: deletes by id are
+  applied by id (added items) or by dataset and dataset index (trained ones); a label's delete
+  (the source's `tombstones` table) deletes every trained item of that label in the target,
+  whichever images the target's index holds; a carry into a target that already holds items
+  first deletes there what the source no longer holds.
+- **Idempotency records** (Idempotency-Key) travel with the writes they answer, so a client's
+  retry after a switch is answered as the first attempt was.
+- **Resumable.** Every target write saves the state with it (`carry:<source gen>` in the target's
+  meta); a carry killed anywhere resumes after its last committed write.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from embedding.errors import ArtifactError
+from embedding.gallery import SQL_TYPES, utc_now
+from service.store import sql
+from service.store.base import Store, insert_items, stored_items, trained_key
+from service.store.records import ChangeSet, StoredItem, blob, changes_from_rows
+
+# (stored items) -> (embeddings (n_ok, d) float32 of those that worked, their world statistics
+# (n_ok, D) or None, per item None or why it could not be embedded)
+Embed = Callable[[list[StoredItem]], tuple[np.ndarray, np.ndarray | None, list[str | None]]]
+Read = Callable[..., list[tuple]]  # (query, params) -> rows, on the source
+
+CATCH_UP_ROUNDS = 8  # follow rounds outside the source's write lock before the seal
+UNCARRIED_KEPT = 100  # items that could not be carried, named in the carry's state
+NO_IMAGE = "no stored image (added with SNCA_STORE_IMAGES off, or too large)"
+
+CARRIED_TABLE = "CREATE TABLE IF NOT EXISTS carried (old_id {ID} PRIMARY KEY, new_id {ID} NOT NULL)"
+DELETED_TRAINED = (
+    "SELECT id, metadata FROM items WHERE source = 'trained' AND deleted_seq IS NOT NULL"
+)
+ADDED_ROWS = "SELECT id, deleted_seq, image IS NOT NULL FROM items WHERE source = 'added'"
+REQUESTS_AFTER = "SELECT key, digest, seq, outcome, at FROM requests WHERE seq > {p}"
+REQUESTS_UPTO = "SELECT key, digest, seq, outcome, at FROM requests WHERE seq <= {p}"
+
+
+@dataclass
+class Side:
+    """One gallery of a carry: its store, its gen (galleries.gen_of) and registry entry."""
+
+    store: Store
+    gen: str
+    info: dict = field(default_factory=dict)
+
+
+def state_key(gen: str) -> str:
+    """The target's meta key holding the state of a carry from the gallery `gen`."""
+    return f"carry:{gen}"
+
+
+def _rows_of_ids(read: Read, d: sql.Dialect, template: str, ids: list[int]) -> list[tuple]:
+    out = []
+    for s in range(0, len(ids), sql.CHUNK):
+        chunk = [int(i) for i in ids[s : s + sql.CHUNK]]
+        out += read(sql.ids_in(d, template, chunk), chunk)
+    return out
+
+
+def _dataset_key(metadata: str | None) -> tuple | None:
+    m = json.loads(metadata) if metadata else {}
+    return (m.get("dataset"), m.get("dataset_index")) if "dataset_index" in m else None
+
+
+class Carry:
+    """Carries `source` into `target` (see the module docstring). `embed`: the target's model
+    (None: the same model and vector space, stored embeddings kept); `renumber`: False (ids
+    kept; a clash is refused), "auto" (kept unless the target's trained ids reach the first
+    added id: only for a target that replaces its source). `say(text)` reports progress
+    lines, `progress(done, total)` the backfill."""
+
+    def __init__(
+        self,
+        source: Side,
+        target: Side,
+        embed: Embed | None,
+        batch: int = 64,
+        say: Callable[[str], None] = print,
+        progress: Callable[[int, int], None] | None = None,
+        renumber: bool | str = False,
+    ):
+        self.source, self.target = source, target
+        self.embed = embed
+        self.batch = batch
+        self.say = say
+        self.progress = progress or (lambda done, total: None)
+        self.renumber = renumber
+        self._trained: dict[tuple, int] | None = None  # target: dataset key -> trained id
+        self.carried = 0  # items written into the target by this run
+        self.deleted = 0  # items deleted in the target by this run
+        self.caught_up = 0  # source writes applied by follow in this run
+        self._ids = "kept"  # or "renumbered" (the state says, once begun)
+        self.discard_hint = "remove that gallery and run the command again"
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict | None:
+        rows = self.target.store._select(
+            self.target.store.dialect.q(sql.META_KEY), (state_key(self.source.gen),)
+        )
+        return json.loads(rows[0][0]) if rows else None
+
+    def _save(self, conn, st: dict) -> None:
+        """Inside a target write: the state, and (ids kept) the id counter past every id the
+        source gave out by then (an id the source used for an item deleted before it was
+        carried must never be given out again by the target once live)."""
+        tgt = self.target.store
+        tgt.set_meta(conn, state_key(self.source.gen), json.dumps(st, sort_keys=True))
+        want = int(st.get("source_next_id", 0))
+        if want and not self._renumbered():
+            row = conn.execute(tgt.dialect.q(sql.META_KEY), ("next_id",)).fetchone()
+            if int(row[0]) < want:
+                tgt.set_meta(conn, "next_id", str(want))
+
+    def _save_plain(self, st: dict) -> None:
+        self.target.store.plain(lambda c: self._save(c, st))
+
+    def _write(self, fn: Callable[[object, int], None]) -> None:
+        """A write of the target (one on standby admits only a carry's writes)."""
+        self.target.store.transaction(fn, "carry")
+
+    def begin(self) -> dict:
+        """The carry's state: resumed, or started now (see the module docstring)."""
+        src, tgt = self.source.store, self.target.store
+        st = self.state()
+        if st is not None:
+            seq = int(st["source_seq"])
+            tok = src.log_token(seq) if seq > 0 else None
+            if tok is not None and st.get("token") is not None and tok != st["token"]:
+                raise ArtifactError(
+                    f"the gallery {self.target.gen} was carried from another history of "
+                    f"{self.source.gen} (its write {seq} differs: that gallery was restored or "
+                    f"replaced since); it cannot be resumed: {self.discard_hint}"
+                )
+            self._ids = st.get("ids", "kept")
+            return st
+        seq = src.last_seq()  # read before anything is copied: later writes are followed
+        self._load_trained()
+        renumber = self._renumbers()
+        self._ids = "renumbered" if renumber else "kept"
+        next_id = int(tgt.meta()["next_id"])
+        if not renumber:
+            next_id = max(int(src.meta()["next_id"]), next_id)
+        gone = [] if renumber else self._gone_from_source()
+        tombs = self._tombstones(src._select)
+        requests = [] if renumber else src._select(src.dialect.q(REQUESTS_UPTO), (seq,))
+        st = {
+            "source_seq": seq,
+            "token": src.log_token(seq),
+            "after_id": -1,
+            "backfilled": False,
+            "ids": "renumbered" if renumber else "kept",
+            "uncarried": [],
+            "uncarried_count": 0,
+            "started_at": utc_now(),
+        }
+
+        def fn(conn, wseq):
+            d = tgt.dialect
+            if renumber:
+                conn.execute(CARRIED_TABLE.format(**SQL_TYPES[d.name]))
+            tgt.set_meta(conn, "next_id", str(next_id))
+            self._bury(conn, wseq, tombs, gone)
+            self._copy_requests(conn, requests)
+            self._save(conn, st)
+
+        self._write(fn)
+        self.say(f"carrying {self.source.gen} into {self.target.gen} from write {seq}")
+        return st
+
+    def _renumbers(self) -> bool:
+        """Whether added items get new ids: never unless allowed ("auto") and needed (the
+        target's trained ids reach the first added id); refused when needed and not allowed."""
+        src, tgt = self.source.store, self.target.store
+        first = src.added_items(-1, 1)
+        top = tgt._select("SELECT MAX(id) FROM items WHERE source = 'trained'")[0][0]
+        clash = bool(first) and top is not None and first[0].id <= int(top)
+        if clash and self.renumber != "auto":
+            raise ArtifactError(
+                f"item ids would clash: the new index's trained items reach id {top}, the "
+                f"gallery's first added item is {first[0].id}; an upgrade keeps ids (a SQLite "
+                "gallery can be carried at start-up instead: start snca-serve with the new model)"
+            )
+        return clash
+
+    def _gone_from_source(self, read: Read | None = None) -> list[int]:
+        """Live added items of the target that the source no longer holds: deleted there, or
+        gone from it (compacted after their delete) while they had an image to carry them by
+        (an item with no stored image is never carried, so its absence proves nothing)."""
+        read = read or self.source.store._select
+        src_rows = {r[0]: r[1] for r in read(ADDED_ROWS)}  # id -> deleted_seq
+        gone = []
+        for item_id, deleted_seq, has_image in self.target.store._select(ADDED_ROWS):
+            if deleted_seq is not None:
+                continue
+            if item_id in src_rows:
+                if src_rows[item_id] is not None:
+                    gone.append(int(item_id))
+            elif has_image:
+                gone.append(int(item_id))
+        return gone
+
+    def _tombstones(self, read: Read, after: int | None = None) -> list[tuple[str, str, int]]:
+        """(kind, name, seq) of the source's deletes that a carry must never undo: its
+        tombstones (after write `after`, or all), and at the start also the trained items its
+        rows say are deleted (a store written before tombstones existed)."""
+        d = self.source.store.dialect
+        if after is not None:
+            return [tuple(r) for r in read(d.q(sql.TOMBSTONES_AFTER), (after,))]
+        out = [tuple(r) for r in read(sql.TOMBSTONES)]
+        for _, md in read(DELETED_TRAINED):
+            name = trained_key(md)
+            if name is not None:
+                out.append(("trained", name, 0))
+        return out
+
+    def _bury(self, conn, seq: int, tombs: list[tuple[str, str, int]], ids: list[int]) -> None:
+        """Inside a target write: delete `ids` and what the tombstones `tombs` name here (a
+        label's trained items, a trained image by its dataset index), and keep the tombstones
+        (they travel on, even where nothing matched)."""
+        tgt = self.target.store
+        d = tgt.dialect
+        kill = list(ids)
+        for kind, name, _ in tombs:
+            if kind == "label":
+                kill += [r[0] for r in conn.execute(d.q(sql.LIVE_TRAINED_OF_LABEL), (name,))]
+            else:
+                tid = (self._trained or {}).get(_dataset_key(json.dumps(_key_meta(name))))
+                kill += [] if tid is None else [tid]
+            conn.execute(d.q(sql.UPSERT_TOMBSTONE), (kind, name, seq))
+        if kill:
+            self.deleted += len(tgt._mark_deleted(conn, seq, sorted(set(kill)), None))
+
+    # ------------------------------------------------------------------ items
+    def _load_trained(self) -> None:
+        """The target's trained items by dataset key (read once, outside any target write:
+        _map_trained runs inside them too; a key whose item was deleted since only finds
+        nothing live to delete)."""
+        if self._trained is None:
+            self._trained = {}
+            for tid, md in self.target.store._select(sql.LIVE_TRAINED):
+                k = _dataset_key(md)
+                if k is not None:
+                    self._trained[k] = tid
+
+    def _map_trained(self, rows: list[tuple[int, str, str | None]]) -> list[int]:
+        """Target ids of source items (id, source, metadata): an added item keeps its id (or its
+        renumbered one), a trained one is found by its dataset and dataset index."""
+        self._load_trained()
+        out, added = [], []
+        for item_id, source, metadata in rows:
+            if source == "added":
+                added.append(int(item_id))
+                continue
+            k = _dataset_key(metadata)
+            if k is not None and k in self._trained:
+                out.append(self._trained[k])
+        return out + list(self._new_ids(added).values())
+
+    def _new_ids(self, ids: list[int]) -> dict[int, int]:
+        """Source id -> target id of the added items among `ids` that the target holds."""
+        tgt = self.target.store
+        if not self._renumbered():
+            return {i: i for i in tgt.existing(ids)}
+        rows = _rows_of_ids(
+            tgt._select,
+            tgt.dialect,
+            "SELECT old_id, new_id FROM carried WHERE old_id IN ({ids})",
+            ids,
+        )
+        return {int(a): int(b) for a, b in rows}
+
+    def _renumbered(self) -> bool:
+        return self._ids == "renumbered"
+
+    def _embed(self, items: list[StoredItem], st: dict) -> list[StoredItem]:
+        """`items` as the target stores them (re-embedded, or as they were); those that cannot
+        be are counted and named in `st` (the first UNCARRIED_KEPT: it is saved with every
+        write, so it stays small)."""
+        if self.embed is None:
+            return list(items)
+        errors: list[str | None] = [None] * len(items)
+        with_image = [i for i, it in enumerate(items) if it.image is not None]
+        for i, it in enumerate(items):
+            if it.image is None:
+                errors[i] = NO_IMAGE
+        ok: list[StoredItem] = []
+        if with_image:
+            emb, worlds, errs = self.embed([items[i] for i in with_image])
+            j = 0
+            for i, err in zip(with_image, errs, strict=True):
+                if err is not None:
+                    errors[i] = f"the stored image cannot be read: {err}"
+                    continue
+                w = None if worlds is None else blob(worlds[j])
+                ok.append(replace(items[i], embedding=blob(emb[j]), world=w))
+                j += 1
+        for it, err in zip(items, errors, strict=True):
+            if err is not None:
+                st["uncarried_count"] = st.get("uncarried_count", 0) + 1
+                if len(st["uncarried"]) < UNCARRIED_KEPT:
+                    st["uncarried"].append([it.id, it.label, err])
+        return sorted(ok, key=lambda it: it.id)
+
+    def _add(self, items: list[StoredItem], st: dict, extra=None) -> None:
+        """Embed `items` with the target's model and write them (one target write per run of
+        one label, in id order); the last write also saves `st` and runs `extra(conn, seq)`."""
+        tgt = self.target.store
+        have = self._new_ids([it.id for it in items]) if items else {}
+        todo = [it for it in items if it.id not in have]
+        ok = self._embed(todo, st) if todo else []
+        runs: list[list[StoredItem]] = []
+        for it in ok:
+            if runs and runs[-1][0].label == it.label:
+                runs[-1].append(it)
+            else:
+                runs.append([it])
+        if not runs:
+            if extra is None:
+                self._save_plain(st)
+            else:
+                self._write(lambda conn, seq: (extra(conn, seq), self._save(conn, st)))
+            return
+        renumber = self._renumbered()
+        for n, run in enumerate(runs):
+            last = n == len(runs) - 1
+
+            def fn(conn, seq, run=run, last=last):
+                d = tgt.dialect
+                top = int(conn.execute(d.q(sql.META_KEY), ("next_id",)).fetchone()[0])
+                if renumber:
+                    new = [replace(it, id=top + k) for k, it in enumerate(run)]
+                    conn.cursor().executemany(
+                        d.q("INSERT INTO carried (old_id, new_id) VALUES ({p}, {p})"),
+                        [(a.id, b.id) for a, b in zip(run, new, strict=True)],
+                    )
+                    run, top = new, top + len(new)
+                insert_items(conn, d, run, seq)
+                tgt.set_meta(conn, "next_id", str(max(top, run[-1].id + 1)))
+                if last:
+                    if extra is not None:
+                        extra(conn, seq)
+                    self._save(conn, st)
+
+            self._write(fn)
+            self.carried += len(run)
+
+    def backfill(self, st: dict) -> dict:
+        """The bulk copy, resumed after the last batch committed."""
+        src = self.source.store
+        live = "SELECT COUNT(*) FROM items WHERE source = 'added' AND deleted_seq IS NULL"
+        total = src._select(live)[0][0]
+        done = src._select(src.dialect.q(live + " AND id <= {p}"), (int(st["after_id"]),))[0][0]
+        self.progress(done, total)
+        while not st["backfilled"]:
+            items = src.added_items(int(st["after_id"]), self.batch)
+            if not items:
+                st["backfilled"] = True
+                self._save_plain(st)
+                break
+            st["after_id"] = items[-1].id
+            self._add(items, st)
+            done += len(items)
+            self.progress(done, max(total, done))
+        return st
+
+    # ------------------------------------------------------------------ the log
+    def _changes(self, read: Read, after: int) -> ChangeSet:
+        d = self.source.store.dialect
+        meta = dict(read(sql.META))
+        rows = read(d.q(sql.CHANGES), (after, after, after))
+        return ChangeSet(
+            int(meta["last_seq"]), int(meta.get("log_floor", 0)), changes_from_rows(rows, after)
+        )
+
+    def _copy_requests(self, conn, rows) -> None:
+        """Idempotency records of the source into the target (inside a target write)."""
+        if rows and not self._renumbered():
+            conn.cursor().executemany(
+                self.target.store.dialect.q(sql.UPSERT_REQUEST), [tuple(r) for r in rows]
+            )
+
+    def follow(self, st: dict, read: Read | None = None) -> int:
+        """Apply the source's writes after st["source_seq"]; how many there were. `read`: the
+        source's connection inside its write transaction (the seal), else its own reads."""
+        src = self.source.store
+        read = read or src._select
+        d = src.dialect
+        after = int(st["source_seq"])
+        self._load_trained()
+        cs = self._changes(read, after)
+        if cs.floor > after:
+            self._reconcile(read, st, cs.last_seq)
+            return 1
+        tokens = dict(read(d.q(sql.LOG_TOKENS), (after, cs.last_seq)))
+        st["source_next_id"] = int(dict(read(sql.META)).get("next_id", 0))
+        tombs: dict[int, list] = {}
+        for t in self._tombstones(read, after):
+            tombs.setdefault(int(t[2]), []).append(t)
+        reqs: dict[int, list] = {}
+        for r in read(d.q(REQUESTS_AFTER), (after,)):
+            reqs.setdefault(int(r[2]), []).append(r)
+        n = 0
+        for c in cs.changes:
+            if c.seq <= int(st["source_seq"]):
+                continue
+            n += 1
+            st["source_seq"], st["token"] = c.seq, tokens.get(c.seq)
+            st["caught_up"] = int(st.get("caught_up", 0)) + 1  # (saved with this write)
+
+            def extra(conn, seq, c=c):
+                self._copy_requests(conn, reqs.get(c.seq))
+
+            if c.op == "add":
+                items = stored_items(_rows_of_ids(read, d, sql.STORED_OF_IDS, c.ids))
+                self._add(sorted(items, key=lambda it: it.id), st, extra)
+            else:
+                keys = _rows_of_ids(read, d, sql.SOURCE_KEYS_OF_IDS, c.ids)
+                ids = self._map_trained([(r[0], r[1], r[2]) for r in keys])
+                tomb = tombs.get(c.seq, [])
+
+                def fn(conn, seq, ids=ids, tomb=tomb, extra=extra):
+                    self._bury(conn, seq, tomb, ids)
+                    extra(conn, seq)
+                    self._save(conn, st)
+
+                self._write(fn)
+        self.caught_up += n
+        if cs.last_seq > int(st["source_seq"]):  # writes that changed no item
+            st["source_seq"], st["token"] = cs.last_seq, tokens.get(cs.last_seq)
+            self._save_plain(st)
+        return n
+
+    def _reconcile(self, read: Read, st: dict, last_seq: int) -> None:
+        """The source's log no longer reaches back to where this carry was (compacted): compare
+        the two galleries in full (adds missing in the target carried, what the source no
+        longer holds deleted, its tombstones applied)."""
+        self.say("the source's log was compacted past this carry: reconciling in full")
+        tgt, d = self.target.store, self.source.store.dialect
+        after = -1
+        while True:
+            rows = read(d.q(sql.ADDED_ITEMS), (after, self.batch))
+            if not rows:
+                break
+            items = stored_items(rows)
+            self._add(items, st)
+            after = items[-1].id
+        gone = [] if self._renumbered() else self._gone_from_source(read)
+        if self._renumbered():  # (ids differ: compare through the carried table)
+            live = {r[0] for r in read(sql.LIVE_ADDED_IDS)}
+            mapped = self._new_ids([r[0] for r in tgt._select("SELECT old_id FROM carried")])
+            gone = [new for old, new in mapped.items() if old not in live]
+        tombs = self._tombstones(read)
+        tok = read(d.q(sql.LOG_TOKEN), (last_seq,))
+        st["source_seq"], st["token"] = last_seq, tok[0][0] if tok else None
+        st["source_next_id"] = int(dict(read(sql.META)).get("next_id", 0))
+
+        def fn(conn, seq):
+            self._bury(conn, seq, tombs, gone)
+            self._save(conn, st)
+
+        self._write(fn)
+
+    def catch_up(self, st: dict) -> dict:
+        """Rounds of follow until the source had no new write in a round (or CATCH_UP_ROUNDS)."""
+        for _ in range(CATCH_UP_ROUNDS):
+            if self.follow(st) == 0:
+                break
+        return st
+
+    def seal(self, st: dict, ending: Callable, op: str) -> int:
+        """Inside one write transaction of the source (`op`, guarded as any write: refused on a
+        gallery sealed or on standby): the last follow, then `ending(conn, seq, read)`; the
+        source's seq of that write."""
+
+        def fn(conn, seq):
+            read = lambda q, p=(): conn.execute(q, p).fetchall()  # noqa: E731
+            self.follow(st, read)
+            ending(conn, seq, read)
+
+        seq, _ = self.source.store.transaction(fn, op)
+        return seq
+
+    def forget(self, conn) -> None:
+        """Inside a target write: drop this carry's state (the target replaced its source)."""
+        self.target.store.set_meta(conn, state_key(self.source.gen), None)
+
+
+def _key_meta(name: str) -> dict:
+    """The metadata a trained tombstone's name stands for (base.trained_key's inverse)."""
+    dataset, index = json.loads(name)
+    return {"dataset": dataset, "dataset_index": index}

@@ -1,0 +1,646 @@
+"""The randomized history checker (issue 39): random operations from concurrent clients against
+real processes, faults anywhere, then the whole history checked against what was acknowledged.
+Anchors: Jepsen's history checking (Elle), FoundationDB's simulation, TigerBeetle's VOPR.
+
+    clients (threads)   add (with an Idempotency-Key), delete an item, read, through whichever
+                        server answers; a label of their own they delete whole at the end of
+                        its life; one trained label deleted once
+    nemesis (a thread)  the day-two commands as users run them (`snca-gallery upgrade --to X
+                        [--switch]`, `rollback`, `backup` + verify, `compact`, `import`), each
+                        maybe killed with SIGKILL at a random moment; servers killed (-9) and
+                        restarted, stopped (SIGSTOP) and continued, model processes killed or
+                        stopped; PostgreSQL stopped (immediate) and started
+    journal             every operation: when it was sent and answered, its outcome (ok,
+                        failed: nothing changed, unknown: the answer was lost)
+
+At the end the faults stop, a killed command is run again (what the README says to do), every
+add whose outcome is unknown is retried with its key (answered with its first outcome, or made
+now), and the live gallery is read from its store:
+- a live gallery exists and is the only one that takes writes (also sampled during the run);
+- every acknowledged add is there exactly once with its label, unless a delete of it (of the
+  item, or of its label) was sent after it was acknowledged and not refused;
+- no acknowledged delete is undone, no item nobody added is there, an id is one item;
+- every backup held each add acknowledged before it started; an import that exited 0 is there;
+- the servers of the live model end at the store's head with equal gallery checksums.
+
+Every random choice comes from one seed (printed; SNCA_HISTORY_SEED replays the schedule; the
+timing of real processes still varies)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from PIL import Image
+
+from .conftest import Server
+
+FAST = {"SNCA_FUSED_BATCHES": "0", "SNCA_MAX_BATCH": "8", "SNCA_WARMUP_SECONDS": "0"}
+# servers: a short model timeout (a stopped model process is given up on quickly), writes
+# answered at once when a version is not applied
+SERVER_ENV = {**FAST, "SNCA_MODEL_TIMEOUT_S": "4", "SNCA_SNAPSHOT_EVERY": "50"}
+TRAINED_VICTIM = "Sandal"  # the trained label a client deletes once
+
+
+@dataclass
+class Op:
+    """One client operation as the client saw it."""
+
+    kind: str  # add | delete | delete_label | import
+    key: str | None
+    label: str | None
+    sent: float
+    done: float = 0.0
+    outcome: str = "pending"  # ok | failed | unknown | absent (a delete of nothing)
+    ids: list[int] = field(default_factory=list)
+    image: int | None = None  # (adds) the training image index, to retry it
+    detail: str = ""
+
+
+class Journal:
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self.lock = threading.Lock()
+        self.events: list[tuple[float, str]] = []  # the nemesis's, for the report
+        self.checks: list[str] = []  # failures found on the way (backups, live galleries)
+        self.samples = 0
+
+    def add(self, op: Op) -> Op:
+        with self.lock:
+            self.ops.append(op)
+        return op
+
+    def event(self, what: str) -> None:
+        with self.lock:
+            self.events.append((time.monotonic(), what))
+
+    def fail(self, what: str) -> None:
+        with self.lock:
+            self.checks.append(what)
+
+
+def gen_of_run(run: Path) -> str:
+    """The gen (store/galleries.py) of a run dir and its index."""
+    from embedding.index import read_manifest
+    from embedding.rundir import RunDir
+    from service.store.galleries import gen_of
+
+    return gen_of(RunDir(run).load_model_card()[1], read_manifest(run / "index").index_id)
+
+
+def png_of(raw, i: int) -> bytes:
+    b = io.BytesIO()
+    Image.fromarray(raw.source.get(int(i))[0].numpy()).save(b, "PNG")
+    return b.getvalue()
+
+
+class Cluster:
+    """The processes of one history: servers on one backend, the snca-gallery commands."""
+
+    def __init__(self, backend, models: dict[str, Path], tmp: Path, rng: random.Random):
+        self.backend, self.models, self.tmp, self.rng = backend, models, tmp, rng
+        self.servers: dict[int, tuple[str, bool, Server]] = {}  # n -> (model, pair, server)
+        self.lock = threading.Lock()
+        self.n = 0
+        self.stopped: set[int] = set()  # pids under SIGSTOP
+        self.gens = {name: gen_of_run(run) for name, run in models.items()}
+
+    def start(self, model: str, pair: bool, follow: bool = False) -> int:
+        extra = ("--follow-alias",) if follow else ()
+        s = self.backend.start(
+            self.models[model], *extra, env=SERVER_ENV, model_process=pair, wait_for="/healthz"
+        )
+        with self.lock:
+            self.n += 1
+            self.servers[self.n] = (model, pair, s)
+            return self.n
+
+    def urls(self) -> list[str]:
+        with self.lock:
+            return [s.url for _, _, s in self.servers.values() if s.proc.poll() is None]
+
+    def live_gen(self) -> str:
+        return self.galleries()["alias_gen"]
+
+    def galleries(self) -> dict:
+        """{alias_gen, writable: [gens not on standby], targets: {gen: store}} read directly."""
+        from service.store.galleries import alias, home_gen, registry
+        from service.store.records import STANDBY
+        from service.store.registry import backend_class
+        from service.store.upgrade import open_galleries
+
+        home = self.backend.url or str(self.backend.tmp / "data" / "gallery.sqlite")
+        g = open_galleries(backend_class(home), home)
+        try:
+            a = alias(g.home)
+            gens = sorted({home_gen(g.home), *registry(g.home)})
+            writable = [x for x in gens if g.exists(x) and STANDBY not in g.open(x).meta()]
+            live = a["gen"] if a else home_gen(g.home)
+            reg = registry(g.home)
+            return {
+                "alias_gen": live,
+                "writable": writable,
+                "targets": {x: g.target_of(x) for x in gens},
+                "model_of": {x: reg.get(x, {}).get("model_dir") for x in gens},
+            }
+        finally:
+            g.close()
+            g.home.close()
+
+    def tool(self, model: str, *args: str) -> subprocess.Popen:
+        cmd = self.backend.tool_command(self.models[model], *args)
+        path = self.tmp / f"tool-{args[0]}-{uuid.uuid4().hex[:8]}.log"
+        log = open(path, "w")  # noqa: SIM115 (the child holds it)
+        p = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **FAST),
+        )
+        p.log_path = path  # (what it said, for the journal)
+        return p
+
+    def stop_all(self) -> None:
+        with self.lock:
+            servers = list(self.servers.values())
+        for pid in list(self.stopped):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        for _, _, s in servers:
+            with contextlib.suppress(Exception):
+                s.kill(signal.SIGKILL)
+
+
+class Client(threading.Thread):
+    """Adds (most), deletes of its own acknowledged items, reads; a label of its own deleted
+    whole now and then; with `trained`, the trained victim label deleted once."""
+
+    def __init__(self, n: int, cluster: Cluster, journal: Journal, raw, seed: int, trained: bool):
+        super().__init__(daemon=True, name=f"client-{n}")
+        self.n, self.cluster, self.journal, self.raw = n, cluster, journal, raw
+        self.rng = random.Random(seed)
+        self.trained = trained
+        self.stop = threading.Event()
+        self.mine: dict[int, str] = {}  # acknowledged, not deleted by me
+        self.round = 0
+
+    def label(self) -> str:
+        return f"c{self.n}-r{self.round}-{self.rng.randrange(2)}"
+
+    def run(self) -> None:
+        with httpx.Client(timeout=15) as http:
+            while not self.stop.is_set():
+                urls = self.cluster.urls()
+                if not urls:
+                    time.sleep(0.2)
+                    continue
+                url = self.rng.choice(urls)
+                r = self.rng.random()
+                if self.trained and r < 0.02:
+                    self.delete_label(http, url, TRAINED_VICTIM)
+                    self.trained = False
+                elif r < 0.06 and self.mine:
+                    self.delete_label(http, url, f"c{self.n}-r{self.round}-0")
+                    self.round += 1
+                elif r < 0.25 and self.mine:
+                    self.delete(http, url, self.rng.choice(sorted(self.mine)))
+                elif r < 0.35:
+                    self.read(http, url)
+                else:
+                    self.add(http, url)
+
+    def _send(self, op: Op, call) -> httpx.Response | None:
+        try:
+            r = call()
+        except httpx.HTTPError as e:
+            op.done, op.outcome, op.detail = time.monotonic(), "unknown", type(e).__name__
+            time.sleep(0.05)
+            return None
+        op.done = time.monotonic()
+        return r
+
+    def _refused(self, op: Op, r: httpx.Response) -> None:
+        body = r.json() if r.headers.get("content-type", "").endswith("json") else {}
+        committed = body.get("committed")
+        # refused, nothing changed: a 4xx, a 503 that did not commit; else (a 503 that
+        # committed but was not applied in time, another 5xx): unknown
+        if r.status_code < 500 or (r.status_code == 503 and committed is False):
+            op.outcome = "failed"
+        else:
+            op.outcome = "unknown"
+        op.detail = f"{r.status_code} {body.get('code')} committed={committed}"
+        time.sleep(0.05)
+
+    def add(self, http: httpx.Client, url: str) -> None:
+        label, i = self.label(), self.rng.randrange(len(self.raw.targets))
+        op = self.journal.add(Op("add", uuid.uuid4().hex, label, time.monotonic(), image=i))
+        files = [("images", ("x.png", png_of(self.raw, i), "image/png"))]
+        r = self._send(
+            op,
+            lambda: http.post(
+                url + "/gallery/add",
+                data={"label": label},
+                files=files,
+                headers={"Idempotency-Key": op.key},
+            ),
+        )
+        if r is None:
+            return
+        if r.status_code == 201:
+            op.outcome, op.ids = "ok", r.json()["ids"]
+            self.mine.update({x: label for x in op.ids})
+        else:
+            self._refused(op, r)
+
+    def delete(self, http: httpx.Client, url: str, item: int) -> None:
+        op = self.journal.add(Op("delete", uuid.uuid4().hex, None, time.monotonic(), ids=[item]))
+        r = self._send(
+            op,
+            lambda: http.delete(f"{url}/gallery/items/{item}", headers={"Idempotency-Key": op.key}),
+        )
+        if r is None:
+            self.mine.pop(item, None)  # (maybe deleted: never deleted again, never checked)
+            return
+        if r.status_code == 200:
+            op.outcome = "ok"
+            self.mine.pop(item, None)
+        elif r.status_code == 404:
+            op.outcome = "absent"  # (an earlier unknown delete of it did happen)
+            self.mine.pop(item, None)
+        else:
+            self._refused(op, r)
+
+    def delete_label(self, http: httpx.Client, url: str, label: str) -> None:
+        op = self.journal.add(Op("delete_label", uuid.uuid4().hex, label, time.monotonic()))
+        r = self._send(
+            op,
+            lambda: http.delete(
+                f"{url}/gallery/labels/{label}", headers={"Idempotency-Key": op.key}
+            ),
+        )
+        self.mine = {i: lab for i, lab in self.mine.items() if lab != label}
+        if r is None:
+            return
+        if r.status_code == 200:
+            op.outcome, op.ids = "ok", r.json()["deleted"]
+        elif r.status_code == 404:
+            op.outcome = "absent"
+        else:
+            self._refused(op, r)
+
+    def read(self, http: httpx.Client, url: str) -> None:
+        i = self.rng.randrange(len(self.raw.targets))
+        with contextlib.suppress(httpx.HTTPError):
+            http.post(url + "/classify", files={"image": ("q.png", png_of(self.raw, i))})
+
+
+class Nemesis(threading.Thread):
+    """The day-two commands (one at a time, in the background) and the faults (meanwhile),
+    from one seeded schedule."""
+
+    def __init__(self, cluster: Cluster, journal: Journal, raw, seed: int, pg=None):
+        super().__init__(daemon=True, name="nemesis")
+        self.cluster, self.journal, self.raw, self.pg = cluster, journal, raw, pg
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+        # a command killed or failed (to run again, as the README says), the one running
+        self.pending: tuple[str, tuple] | None = None
+        self.running: tuple[subprocess.Popen, str, tuple, float | None] | None = None
+        self.counts: Counter = Counter()
+        self.backups: list[tuple[Path, float]] = []
+        self.backup_running: tuple[Path, float] | None = None
+        self.imports: list[tuple[str, int, str, str]] = []  # (label, images, outcome, folder)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                self.tend()
+                if self.running is None and self.rng.random() < 0.6:
+                    self.command()
+                if self.rng.random() < 0.35:
+                    self.fault()
+                self.sample()
+                self.stop.wait(self.rng.uniform(0.1, 0.5))
+            if self.running is not None:  # the last command ends by itself (bounded)
+                p = self.running[0]
+                try:
+                    p.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                self.tend()
+        except BaseException as e:  # (reported by the test)
+            self.error = e
+
+    def sample(self) -> None:
+        """At most one gallery takes writes, at any moment."""
+        with contextlib.suppress(Exception):
+            w = self.cluster.galleries()["writable"]
+            self.journal.samples += 1
+            if len(w) > 1:
+                self.journal.fail(f"two galleries take writes at once: {w}")
+
+    def other_model(self) -> str:
+        """A model whose gallery is not the live one."""
+        live = self.cluster.live_gen()
+        return next(m for m, g in self.cluster.gens.items() if g != live)
+
+    def live_model(self) -> str:
+        live = self.cluster.live_gen()
+        return next((m for m, g in self.cluster.gens.items() if g == live), "a")
+
+    # ------------------------------------------------------------------ the commands
+    def launch(self, model: str, args: tuple, kill_p: float) -> None:
+        """`snca-gallery ARGS` in the background, to be killed (-9) at a random moment with
+        probability kill_p."""
+        p = self.cluster.tool(model, *args)
+        kill_at = (
+            time.monotonic() + self.rng.uniform(0.3, 6.0) if self.rng.random() < kill_p else None
+        )
+        self.running = (p, model, args, kill_at)
+
+    def tend(self) -> None:
+        """The running command: finished (its exit status), or killed when its time came."""
+        if self.running is None:
+            return
+        p, model, args, kill_at = self.running
+        name = args[0]
+        if p.poll() is None:
+            if kill_at is None or time.monotonic() < kill_at:
+                return
+            p.kill()
+            p.wait()
+            self.counts[f"{name} killed"] += 1
+            self.journal.event(f"killed snca-gallery {' '.join(args)}")
+            self.running = None
+            if name in ("upgrade", "rollback"):
+                self.pending = (model, args)
+            return
+        rc = p.returncode
+        self.running = None
+        self.counts[f"{name} rc={rc}"] += 1
+        said = ""
+        if rc != 0:
+            with contextlib.suppress(OSError):
+                said = " | " + p.log_path.read_text().strip().splitlines()[-1][-300:]
+        self.journal.event(f"snca-gallery {' '.join(args)}: {rc}{said}")
+        if name == "backup" and rc == 0 and self.backup_running is not None:
+            self.backups.append(self.backup_running)
+        if name in ("upgrade", "rollback"):
+            self.pending = None if rc == 0 else (model, args)
+
+    def command(self) -> None:
+        r = self.rng.random()
+        c = self.cluster
+        if self.pending is not None and r < 0.4:
+            model, args = self.pending
+            self.launch(model, args, 0.2)
+        elif r < 0.65:
+            args = ("upgrade", "--to", str(c.models[self.other_model()]), "--no-progress")
+            switch = ("--switch",) if self.rng.random() < 0.8 else ()
+            self.launch(self.live_model(), (*args, *switch), 0.35)
+        elif r < 0.75:
+            g = c.galleries()
+            if len(g["targets"]) > 1:  # (a rollback needs a previous gallery)
+                self.launch(self.live_model(), ("rollback", "--no-progress"), 0.3)
+        elif r < 0.85:
+            out = c.tmp / f"backup-{uuid.uuid4().hex[:8]}"
+            self.backup_running = (out, time.monotonic())
+            self.launch(self.live_model(), ("backup", str(out)), 0.0)
+        elif r < 0.92:
+            keep = str(self.rng.randrange(0, 20))
+            self.launch(self.live_model(), ("compact", "--keep", keep), 0.0)
+        else:
+            self.import_some()
+
+    # ------------------------------------------------------------------ the faults
+    def fault(self) -> None:
+        r = self.rng.random()
+        if r < 0.4:
+            self.kill_server()
+        elif r < 0.8:
+            self.stop_some()
+        elif self.pg is not None:
+            self.pg.stop("immediate")
+            self.counts["postgresql stopped"] += 1
+            self.journal.event("postgresql stopped (immediate)")
+            time.sleep(self.rng.uniform(0.3, 1.5))
+            self.pg.start()
+        else:
+            self.start_server()
+
+    def start_server(self) -> None:
+        """A replica started (a model at random, following the alias or not)."""
+        model = self.rng.choice(sorted(self.cluster.models))
+        follow = self.rng.random() < 0.5
+        threading.Thread(target=self._restart, args=(model, False, follow), daemon=True).start()
+        self.counts["server started"] += 1
+
+    def import_some(self) -> None:
+        """`snca-gallery import` of a few images under a new label (maybe killed: then run
+        again at the end; resumable)."""
+        label = f"imported-{uuid.uuid4().hex[:6]}"
+        src = self.cluster.tmp / label
+        (src / label).mkdir(parents=True)
+        n = self.rng.randrange(2, 5)
+        for k in range(n):
+            i = self.rng.randrange(len(self.raw.targets))
+            (src / label / f"{k}.png").write_bytes(png_of(self.raw, i))
+        p = self.cluster.tool(self.live_model(), "import", str(src), "--no-progress")
+        killed = False
+        if self.rng.random() < 0.3:
+            try:
+                p.wait(timeout=self.rng.uniform(0.5, 4.0))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                killed = True
+        rc = p.wait(timeout=300)
+        outcome = "unknown" if killed else ("ok" if rc == 0 else f"rc={rc}")
+        self.imports.append((label, n, outcome, str(src)))
+        self.counts[f"import {outcome}"] += 1
+
+    def kill_server(self) -> None:
+        c = self.cluster
+        with c.lock:
+            live = [(n, x) for n, x in c.servers.items() if x[2].proc.poll() is None]
+        if len(live) < 2:
+            return
+        n, (model, pair, s) = self.rng.choice(live)
+        what = "model process" if pair and self.rng.random() < 0.5 else "server"
+        if what == "model process":
+            with contextlib.suppress(Exception):
+                pid = httpx.get(s.url + "/readyz", timeout=5).json()["model_pid"]
+                os.kill(pid, signal.SIGKILL)
+                self.counts["model process killed"] += 1
+                self.journal.event(f"killed the model process {pid} of server {n}")
+            return
+        s.kill(signal.SIGKILL)
+        self.counts["server killed"] += 1
+        self.journal.event(f"killed server {n} ({model})")
+        with c.lock:
+            del c.servers[n]
+        follow = self.rng.random() < 0.5
+        threading.Thread(target=self._restart, args=(model, pair, follow), daemon=True).start()
+
+    def _restart(self, model: str, pair: bool, follow: bool) -> None:
+        with contextlib.suppress(Exception):
+            self.cluster.start(model, pair, follow)
+
+    def stop_some(self) -> None:
+        """SIGSTOP a server (or its model process) for a while, then SIGCONT."""
+        c = self.cluster
+        with c.lock:
+            live = [x for x in c.servers.values() if x[2].proc.poll() is None]
+        if not live:
+            return
+        _, pair, s = self.rng.choice(live)
+        pid = s.proc.pid
+        if pair and self.rng.random() < 0.5:
+            with contextlib.suppress(Exception):
+                pid = httpx.get(s.url + "/readyz", timeout=5).json()["model_pid"]
+        c.stopped.add(pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+        self.counts["stopped (SIGSTOP)"] += 1
+        time.sleep(self.rng.uniform(0.5, 3.0))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        c.stopped.discard(pid)
+
+
+def backup_holds(path: Path, ops: list[Op], started: float) -> list[str]:
+    """Adds acknowledged before the backup started that it lacks (id, label)."""
+    conn = sqlite3.connect(f"file:{path / 'gallery.sqlite'}?mode=ro", uri=True)
+    try:
+        rows = dict(conn.execute("SELECT id, label FROM items WHERE source = 'added'").fetchall())
+    finally:
+        conn.close()
+    bad = []
+    for op in ops:
+        if op.kind == "add" and op.outcome == "ok" and op.done < started:
+            for i in op.ids:
+                if rows.get(i) != op.label:
+                    bad.append(f"add {i} ({op.label}) acknowledged before the backup: not in it")
+    return bad
+
+
+def check(
+    journal: Journal, live: dict[int, tuple[str, str]], trained_live: set[str], imports
+) -> list[str]:
+    """The final state against the history: `live` (id -> (label, metadata)) the live
+    gallery's added items, `trained_live` the labels of its live trained items."""
+    ops = journal.ops
+    bad = list(journal.checks)
+    deletes = [o for o in ops if o.kind == "delete" and o.outcome in ("ok", "unknown", "absent")]
+    label_deletes = [o for o in ops if o.kind == "delete_label" and o.outcome != "failed"]
+    seen: dict[int, str] = {}
+    for op in ops:
+        if op.kind != "add" or op.outcome != "ok":
+            continue
+        for i in op.ids:
+            if seen.setdefault(i, op.label) != op.label:
+                bad.append(f"id {i} acknowledged for {seen[i]!r} and for {op.label!r}")
+            # may it be gone? a delete of it, or of its label, sent after it was acknowledged
+            # (or, unknown, any time after it was sent)
+            maybe_gone = any(i in d.ids for d in deletes) or any(
+                d.label == op.label and d.sent >= op.sent for d in label_deletes
+            )
+            must_be_gone = any(i in d.ids and d.outcome == "ok" for d in deletes) or any(
+                d.label == op.label and d.outcome == "ok" and d.sent > op.done
+                for d in label_deletes
+            )
+            if must_be_gone and i in live:
+                bad.append(f"item {i} ({op.label}) is back after an acknowledged delete")
+            elif not maybe_gone and live.get(i, (None,))[0] != op.label:
+                refused = [d.detail for d in ops if d.kind == "delete" and i in d.ids]
+                why = f" (a delete of it was answered {refused})" if refused else ""
+                got = live.get(i, ("missing",))[0]
+                bad.append(f"acknowledged add {i} ({op.label}) is {got}{why}")
+    journaled = set(seen)
+    for i, (label, _) in live.items():
+        if i in journaled or label.startswith("imported-"):
+            continue
+        bad.append(f"item {i} ({label}) was never acknowledged to anyone")
+    for op in label_deletes:
+        if op.label == TRAINED_VICTIM and op.outcome == "ok" and TRAINED_VICTIM in trained_live:
+            bad.append(f"the deleted trained label {TRAINED_VICTIM} is live again")
+    counts = Counter(lab for lab, _ in live.values())
+    for label, n, outcome, _ in imports:
+        if outcome in ("ok", "rerun") and counts.get(label, 0) != n:
+            bad.append(f"import {label}: {counts.get(label, 0)} of {n} images live")
+    return bad
+
+
+def read_live(cluster: Cluster) -> tuple[dict[int, tuple[str, str]], set[str], str]:
+    """(id -> (label, metadata) of live added items, labels of live trained items, gen) of
+    the live gallery, read from its store."""
+    from service.store.registry import open_as_found
+
+    g = cluster.galleries()
+    live = g["alias_gen"]
+    s = open_as_found(g["targets"][live])
+    try:
+        rows = s._select("SELECT id, label, source, metadata FROM items WHERE deleted_seq IS NULL")
+    finally:
+        s.close()
+    added = {r[0]: (r[1], r[3]) for r in rows if r[2] == "added"}
+    return added, {r[1] for r in rows if r[2] == "trained"}, live
+
+
+def summary(journal: Journal, nemesis: Nemesis) -> str:
+    c = Counter(f"{o.kind} {o.outcome}" for o in journal.ops)
+    return (
+        ", ".join(f"{v} {k}" for k, v in sorted(c.items()))
+        + "; nemesis: "
+        + ", ".join(f"{v} {k}" for k, v in sorted(nemesis.counts.items()))
+        + f"; {journal.samples} samples of the galleries"
+        + "".join(f"\n  refused: {what}" for _, what in journal.events if " | " in what)
+    )
+
+
+def trace(cluster: Cluster, journal: Journal, ids: list[int], path: Path) -> None:
+    """What a failure needs to be understood, written to `path` (JSON lines): the operations
+    on `ids`, the nemesis's events, and every gallery's rows and log of those ids."""
+    import json
+
+    from service.store.registry import open_as_found
+
+    t0 = min((o.sent for o in journal.ops), default=0.0)
+    with open(path, "w") as f:
+        for o in journal.ops:
+            if set(o.ids) & set(ids):
+                f.write(
+                    json.dumps({"op": o.__dict__ | {"sent": o.sent - t0, "done": o.done - t0}})
+                    + "\n"
+                )
+        for at, what in journal.events:
+            f.write(json.dumps({"event": what, "at": at - t0}) + "\n")
+        g = cluster.galleries()
+        for gen, target in g["targets"].items():
+            with contextlib.suppress(Exception):
+                s = open_as_found(target)
+                try:
+                    q = "SELECT id, label, add_seq, deleted_seq FROM items WHERE id IN ({})"
+                    rows = s._select(q.format(", ".join(str(int(i)) for i in ids)))
+                    meta = {k: v for k, v in s.meta().items() if not k.startswith("gallery:")}
+                    logs = s._select("SELECT seq, op, items, at FROM log ORDER BY seq")
+                    f.write(
+                        json.dumps(
+                            {"gallery": gen, "rows": rows, "meta": meta, "log": logs}, default=str
+                        )
+                        + "\n"
+                    )
+                finally:
+                    s.close()

@@ -1,0 +1,377 @@
+"""The store and the carry engine against a reference model (hypothesis's rule-based state
+machines), in-process, on SQLite and a real PostgreSQL: random adds, deletes by id and by label
+(trained and added items), writes through stale galleries, upgrades, switches and rollbacks
+among three fake models (tests/service/galleries_fake.py), compactions, backups and restores,
+and a crash injected at a random store transaction of an upgrade (before or after its commit:
+what a kill -9 leaves). After every step: at most one gallery takes writes, and once nothing is
+left half-done (a rerun or a server start settles it) exactly the alias's; the live gallery
+holds every acknowledged add exactly once with its label and none that was deleted, no trained
+item of a deleted label or a deleted trained image, and ids are unique. The real processes are
+checked by tests/service/test_history.py; this one explores orders fast.
+
+SNCA_CARRY_EXAMPLES (default 12 on SQLite, a third on PostgreSQL) sets the examples;
+`make stress` runs more. A failure prints the steps that reproduce it (hypothesis shrinks
+them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from embedding.errors import ArtifactError
+from service.store import backup, migration
+from service.store.datadir import DataDir
+from service.store.galleries import alias, home_gen
+from service.store.migration import exclusive
+from service.store.records import CARRIED_TO, STANDBY, StoreUnavailable
+from service.store.upgrade import settle
+
+from .galleries_fake import (
+    DIM,
+    TRAINED_LABELS,
+    Place,
+    closing,
+    embed,
+    embedding,
+    fingerprint,
+    image,
+    index_id,
+)
+from .pg import postgres  # noqa: F401 (fixture)
+
+EXAMPLES = int(os.environ.get("SNCA_CARRY_EXAMPLES", "12"))
+LABELS = ("a", "b", "c", *TRAINED_LABELS)
+
+
+SEEN: dict[str, int] = {}  # what the examples did, printed by each test (a check that they did)
+
+
+def seen(what: str) -> None:
+    SEEN[what] = SEEN.get(what, 0) + 1
+
+
+class Crash(Exception):
+    """What a kill -9 at that point leaves (raised before or after a store transaction)."""
+
+
+class Crasher:
+    """Counts the store transactions (seq'd writes and meta bookkeeping) of one backend class
+    and raises Crash at the `at`-th one, before it commits or just after."""
+
+    def __init__(self, cls, at: int | None, after: bool):
+        self.cls, self.at, self.after, self.n = cls, at, after, 0
+        self.saved = (cls.transaction, cls.plain)
+
+    def __enter__(self):
+        if self.at is None:
+            return self
+        crasher, (transaction, plain) = self, self.saved
+
+        def wrap(fn):
+            def call(store, *a, **kw):
+                crasher.n += 1
+                if crasher.n == crasher.at and not crasher.after:
+                    raise Crash(f"before transaction {crasher.n}")
+                out = fn(store, *a, **kw)
+                if crasher.n == crasher.at:
+                    raise Crash(f"after transaction {crasher.n}")
+                return out
+
+            return call
+
+        self.cls.transaction, self.cls.plain = wrap(transaction), wrap(plain)
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.transaction, self.cls.plain = self.saved
+        return exc[0] is Crash  # (a crash is the test's own doing: swallowed)
+
+
+def make_machine(kind: str, pg=None):
+    class CarryMachine(RuleBasedStateMachine):
+        @initialize()
+        def start(self):
+            self.place = Place(kind, pg)
+            self.live_added: dict[int, str] = {}  # acknowledged, not deleted: id -> label
+            self.dead: set[int] = set()  # acknowledged deletes (added items)
+            self.dead_labels: set[str] = set()
+            self.dead_keys: set[int] = set()  # dataset indices of deleted trained items
+            self.n = 0
+            self.crashes = 0
+
+        def teardown(self):
+            if hasattr(self, "place"):
+                self.place.close()
+
+        # -------------------------------------------------------------- helpers
+        def writable(self, g) -> list[str]:
+            """The gens of the galleries that take writes now (not on standby, not sealed by a
+            start-up migration)."""
+            out = []
+            for gen_ in self.gens(g):
+                meta = g.open(gen_).meta()
+                if STANDBY not in meta and CARRIED_TO not in meta:
+                    out.append(gen_)
+            return out
+
+        def gens(self, g) -> list[str]:
+            from service.store.galleries import home_gen, registry
+
+            return sorted({home_gen(g.home), *[x for x in registry(g.home) if g.exists(x)]})
+
+        def live_store(self, g):
+            w = self.writable(g)
+            return g.open(w[0]) if len(w) == 1 else None
+
+        # -------------------------------------------------------------- writes
+        @rule(label=st.sampled_from(LABELS), n=st.integers(1, 2))
+        def add(self, label, n):
+            with closing(self.place.galleries()) as g:
+                s = self.live_store(g)
+                if s is None:
+                    seen("adds with no live gallery")
+                    return
+                imgs = [image(self.n + i) for i in range(n)]
+                self.n += n
+                emb = [embedding(b) for b in imgs]
+                try:
+                    _, ids = s.add(label, emb, [None] * n, [(b, "image/png") for b in imgs])
+                except StoreUnavailable:
+                    seen("adds refused")
+                    return
+                self.live_added.update({i: label for i in ids})
+                seen("adds acknowledged")
+
+        @rule(data=st.data())
+        def delete_item(self, data):
+            with closing(self.place.galleries()) as g:
+                s = self.live_store(g)
+                if s is None:
+                    return
+                trained = [
+                    r[0]
+                    for r in s._select(
+                        "SELECT id FROM items WHERE source = 'trained' AND deleted_seq IS NULL"
+                    )
+                ]
+                pool = sorted(self.live_added) + trained
+                if not pool:
+                    return
+                victim = data.draw(st.sampled_from(pool))
+                try:
+                    _, rows = s.delete([victim])
+                except StoreUnavailable:
+                    return
+                for item_id, _, _, source in rows:
+                    if source == "added":
+                        self.live_added.pop(item_id, None)
+                        self.dead.add(item_id)
+                    else:
+                        md = s._select(
+                            s.dialect.q("SELECT metadata FROM items WHERE id = {p}"), (item_id,)
+                        )
+                        import json
+
+                        self.dead_keys.add(json.loads(md[0][0])["dataset_index"])
+
+        @rule(label=st.sampled_from(LABELS))
+        def delete_label(self, label):
+            with closing(self.place.galleries()) as g:
+                s = self.live_store(g)
+                if s is None:
+                    return
+                try:
+                    seq, rows = s.delete(label=label)
+                except StoreUnavailable:
+                    return
+                if seq:
+                    self.dead_labels.add(label)
+                    for item_id, _, _, source in rows:
+                        if source == "added":
+                            self.live_added.pop(item_id, None)
+                            self.dead.add(item_id)
+
+        @rule(label=st.sampled_from(LABELS))
+        def stale_write(self, label):
+            """A server of a gallery that is not live writes: refused, never acknowledged."""
+            with closing(self.place.galleries()) as g:
+                for gen_ in self.gens(g):
+                    s = g.open(gen_)
+                    if STANDBY in s.meta():
+                        with pytest.raises(StoreUnavailable):
+                            s.add(label, [embedding(b"x")], [None], [(b"x", "image/png")])
+
+        # -------------------------------------------------------------- day two
+        @rule(
+            m=st.integers(0, 2),
+            switch=st.booleans(),
+            crash=st.one_of(st.none(), st.integers(1, 30)),
+            after=st.booleans(),
+        )
+        def upgrade(self, m, switch, crash, after):
+            with Crasher(self.place.cls, crash, after) as c:
+                out = self.place.upgrade(m, switch)
+                seen(
+                    "switches"
+                    if out.alias
+                    else "upgrades without a switch"
+                    if out.gen
+                    else "no-op upgrades"
+                )
+            if crash is not None and c.n >= crash:
+                seen("crashes")
+
+        @rule(crash=st.one_of(st.none(), st.integers(1, 30)), after=st.booleans())
+        def rollback(self, crash, after):
+            with closing(self.place.galleries()) as g:
+                a = alias(g.home)
+            if a is None or not a.get("previous"):
+                return
+            with Crasher(self.place.cls, crash, after) as c:
+                self.place.upgrade(self.place.model_of(a["previous"]), True)
+                seen("rollbacks")
+            if crash is not None and c.n >= crash:
+                seen("crashes")
+
+        @rule()
+        def server_start(self):
+            """A snca-serve start settles what a killed switch left (startup.settle_galleries)
+            and swaps in a start-up migration's store that was sealed but not swapped."""
+            if self.place.kind == "sqlite":
+                home = Path(self.place.home)
+                data = DataDir(home.parent, home)
+                with exclusive(data):
+                    migration.settle(data)
+            with closing(self.place.galleries()) as g, g.lock(lambda s: None):
+                settle(g, lambda s: None)
+
+        @precondition(lambda self: self.place.kind == "sqlite")
+        @rule(
+            m=st.integers(0, 2),
+            crash=st.one_of(st.none(), st.integers(1, 30)),
+            after=st.booleans(),
+        )
+        def start_with_another_model(self, m, crash, after):
+            """snca-serve started with model m on the home store: the swap ending (a store with
+            day-two galleries is refused: their alias ending is upgrade's)."""
+            home = Path(self.place.home)
+            target = migration.Target(fingerprint(m), index_id(m), "embedding", DIM)
+            try:
+                p = migration.plan(home, target)
+            except ArtifactError:
+                seen("start-up carries refused (day-two galleries)")
+                return
+            if p is None:
+                return
+            data = DataDir(home.parent, home)
+            with Crasher(self.place.cls, crash, after) as c:
+                migration.Migration(p, data, self.place.seeds[m], embed, 2).run()
+                seen("start-up carries (swap)")
+            if crash is not None and c.n >= crash:
+                seen("crashes")
+
+        @rule(keep=st.integers(0, 3))
+        def compact(self, keep):
+            with closing(self.place.galleries()) as g:
+                s = self.live_store(g)
+                if s is not None:
+                    s.compact(max(0, s.last_seq() - keep))
+
+        @precondition(lambda self: self.place.kind == "sqlite")
+        @rule()
+        def backup_and_restore(self):
+            """A backup of the live gallery restores, elsewhere, to its checksum."""
+            with closing(self.place.galleries()) as g:
+                s = self.live_store(g)
+                if s is None:
+                    return
+                target = s.url
+            out = self.place.dir / f"backup{self.n}"
+            self.n += 1
+            m = backup.backup(self.place.cls, target, target, out, say=lambda s: None)
+            where = str(self.place.dir / f"restored{self.n}" / "gallery.sqlite")
+            backup.restore(self.place.cls, out, where, where, say=lambda s: None)
+            import sqlite3
+
+            from service.store import sql
+
+            conn = sqlite3.connect(where)
+            try:
+                assert backup.gallery_checksum(conn, sql.SQLITE, m["last_seq"])[0] == m["checksum"]
+                left = {k for (k,) in conn.execute("SELECT key FROM meta")}
+                assert not {k for k in left if k.split(":")[0] in ("gallery", "alias", "carry")}
+                assert not left & {"standby", "carried_to", "live_epoch"}
+            finally:
+                conn.close()
+
+        # -------------------------------------------------------------- the checks
+        @invariant()
+        def one_live_gallery_holding_every_acknowledged_write(self):
+            if not hasattr(self, "place"):
+                return
+            with closing(self.place.galleries()) as g:
+                w = self.writable(g)
+                assert len(w) <= 1, f"two galleries take writes: {w}"
+                a = alias(g.home)
+                live = a["gen"] if a else home_gen(g.home)
+                if w != [live]:
+                    seen("checks skipped: a switch half-done")
+                    return  # a killed switch half-done: the next run or start settles it
+                seen("checks")
+                s = g.open(live)
+                rows = s._select(
+                    "SELECT id, label, source, metadata FROM items WHERE deleted_seq IS NULL"
+                )
+                import json
+
+                added = {r[0]: r[1] for r in rows if r[2] == "added"}
+                assert added == self.live_added, (
+                    f"missing {sorted(set(self.live_added) - set(added))}, "
+                    f"resurrected {sorted(set(added) & self.dead)}, "
+                    f"unknown {sorted(set(added) - set(self.live_added) - self.dead)}"
+                )
+                for item_id, label, source, md in rows:
+                    if source == "trained":
+                        assert label not in self.dead_labels, (item_id, label)
+                        assert json.loads(md)["dataset_index"] not in self.dead_keys, item_id
+                all_ids = s._select("SELECT id, label, source FROM items WHERE source = 'added'")
+                for item_id, label, _ in all_ids:  # an id is one item, wherever it is
+                    if item_id in self.live_added:
+                        assert self.live_added[item_id] == label
+
+    return CarryMachine
+
+
+def _run(kind, pg, examples):
+    SEEN.clear()
+    run_state_machine_as_test(
+        make_machine(kind, pg),
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+    print(f"{kind}: {examples} examples: " + ", ".join(f"{v} {k}" for k, v in sorted(SEEN.items())))
+    assert SEEN.get("switches", 0) and SEEN.get("crashes", 0) and SEEN.get("checks", 0)
+
+
+def test_sqlite_galleries_keep_every_acknowledged_write():
+    _run("sqlite", None, EXAMPLES)
+
+
+def test_postgresql_galleries_keep_every_acknowledged_write(postgres):  # noqa: F811
+    _run("postgresql", postgres, max(2, EXAMPLES // 3))

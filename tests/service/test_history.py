@@ -1,0 +1,223 @@
+"""The randomized history checker (tests/service/history.py) against real processes, on SQLite
+and a real PostgreSQL: concurrent clients write through real servers of two models while the
+day-two commands run and processes are killed and stopped; then every acknowledged write is
+checked. SNCA_HISTORY_SECONDS (default 15) of faults per backend in `make test`;
+`make stress` runs longer, over several seeds. SNCA_HISTORY_SEED replays a schedule."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from service.store import backup
+
+from .conftest import replaced_model
+from .history import (
+    Client,
+    Cluster,
+    Journal,
+    Nemesis,
+    backup_holds,
+    check,
+    png_of,
+    read_live,
+    trace,
+)
+from .history import summary as describe
+from .pg import postgres  # noqa: F401 (fixture)
+from .test_replicas import Backend
+
+SECONDS = float(os.environ.get("SNCA_HISTORY_SECONDS", "15"))
+CLIENTS = 3
+
+
+@pytest.fixture(scope="module")
+def new_model(base_run, tmp_path_factory):
+    return replaced_model(base_run, tmp_path_factory.mktemp("history") / "run", seed=3)
+
+
+def seed_of(kind: str) -> int:
+    given = os.environ.get("SNCA_HISTORY_SEED")
+    return int(given) if given else int.from_bytes(os.urandom(4), "big")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_no_acknowledged_write_is_lost_under_random_faults(
+    kind, request, base_run, new_model, tmp_path, fmnist_train
+):
+    seed = seed_of(kind)
+    print(f"\nhistory[{kind}]: seed {seed} (SNCA_HISTORY_SEED={seed} replays its schedule)")
+    pg = request.getfixturevalue("postgres") if kind == "postgresql" else None
+    backend = Backend(kind, tmp_path, pg)
+    rng = random.Random(seed)
+    cluster = Cluster(backend, {"a": base_run, "b": new_model}, tmp_path, rng)
+    journal = Journal()
+    nemesis = Nemesis(cluster, journal, fmnist_train, rng.randrange(2**32), pg)
+    clients = [
+        Client(k, cluster, journal, fmnist_train, rng.randrange(2**32), trained=k == 0)
+        for k in range(CLIENTS)
+    ]
+    t = {"start": time.monotonic()}
+    try:
+        starts = [
+            threading.Thread(target=cluster.start, args=("a", pair)) for pair in (True, False)
+        ]
+        for x in starts:
+            x.start()
+        for x in starts:
+            x.join()
+        t["servers up"] = time.monotonic()
+        for c in clients:
+            c.start()
+        nemesis.start()
+        time.sleep(SECONDS)
+        nemesis.stop.set()
+        nemesis.join(timeout=600)
+        for c in clients:
+            c.stop.set()
+        for c in clients:
+            c.join(timeout=60)
+        t["faults over"] = time.monotonic()
+        assert nemesis.error is None, repr(nemesis.error)
+        settle(cluster, nemesis, pg)
+        url = live_server(cluster)
+        resolve(journal, url, fmnist_train, nemesis, cluster)
+        t["settled"] = time.monotonic()
+        live, trained, gen = read_live(cluster)
+        bad = check(journal, live, trained, nemesis.imports)
+        for path, started in nemesis.backups:
+            backup.verify(path)
+            bad += backup_holds(path, journal.ops, started)
+        bad += replicas_agree(cluster, gen)
+        g = cluster.galleries()
+        if g["writable"] != [g["alias_gen"]]:
+            bad.append(f"after the faults: writable {g['writable']}, alias {g['alias_gen']}")
+        phases = ", ".join(f"{k} at {v - t['start']:.0f} s" for k, v in t.items() if k != "start")
+        print(
+            f"history[{kind}] seed {seed}: {describe(journal, nemesis)}; {len(live)} added "
+            f"items live; {phases}, checked at {time.monotonic() - t['start']:.0f} s"
+        )
+        if bad:
+            import re
+
+            ids = sorted({int(m) for b in bad for m in re.findall(r"\b(\d{3,})\b", b)})
+            trace(cluster, journal, ids, tmp_path / "trace.jsonl")
+            print(f"the trace of the failure: {tmp_path / 'trace.jsonl'}")
+        assert not bad, f"seed {seed} (SNCA_HISTORY_SEED={seed}): " + "; ".join(bad[:20])
+        adds = sum(1 for o in journal.ops if o.kind == "add" and o.outcome == "ok")
+        assert adds >= 10, describe(journal, nemesis)
+    finally:
+        for c in clients:
+            c.stop.set()
+        nemesis.stop.set()
+        cluster.stop_all()
+        if pg is not None:
+            pg.start_if_stopped()
+
+
+def settle(cluster: Cluster, nemesis: Nemesis, pg) -> None:
+    """The faults are over: everything continued, PostgreSQL up, a killed command run again
+    (what the README says to do); it must succeed."""
+    import contextlib
+
+    for pid in list(cluster.stopped):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    if pg is not None:
+        pg.start_if_stopped()
+    if nemesis.pending is not None:
+        model, args = nemesis.pending
+        p = cluster.tool(model, *args)
+        assert p.wait(timeout=600) == 0, f"the rerun of snca-gallery {' '.join(args)} failed"
+
+
+def live_server(cluster: Cluster) -> str:
+    """The URL of a server that takes writes on the live gallery (one started with
+    --follow-alias if none does: its start also settles a switch)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for url in cluster.urls():
+            try:
+                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+        if not cluster.urls() or time.monotonic() > deadline - 100:
+            n = cluster.start("a", pair=False, follow=True)
+            s = cluster.servers[n][2]
+            s.wait("/readyz", timeout=120)
+            return s.url
+        time.sleep(0.5)
+    raise AssertionError("no server takes writes on the live gallery")
+
+
+def resolve(journal: Journal, url: str, raw, nemesis: Nemesis, cluster: Cluster) -> None:
+    """Every add whose answer was lost, or that a 503 said changed nothing, retried with its
+    Idempotency-Key: its first outcome (a 503 that said "nothing was changed" for a write that
+    was made is a finding), or made now. A killed import run again."""
+    with httpx.Client(base_url=url, timeout=30) as c:
+        for op in journal.ops:
+            if op.kind != "add" or op.outcome not in ("unknown", "failed"):
+                continue
+            if op.outcome == "failed" and not op.detail.startswith("503"):
+                continue
+            files = [("images", ("x.png", png_of(raw, op.image), "image/png"))]
+            for _ in range(60):
+                r = c.post(
+                    "/gallery/add",
+                    data={"label": op.label},
+                    files=files,
+                    headers={"Idempotency-Key": op.key},
+                )
+                if r.status_code != 503:
+                    break
+                time.sleep(0.5)
+            assert r.status_code == 201, r.text
+            replayed = r.headers.get("Idempotent-Replayed") == "true"
+            if op.outcome == "failed" and replayed:
+                journal.fail(f"add {op.key} was answered {op.detail} but had been committed")
+            op.outcome, op.ids, op.done = "ok", r.json()["ids"], time.monotonic()
+    for k, (label, n, outcome, folder) in enumerate(nemesis.imports):
+        if outcome == "unknown":
+            p = cluster.tool(nemesis.live_model(), "import", folder, "--no-progress")
+            assert p.wait(timeout=300) == 0, f"the rerun of import {label} failed"
+            nemesis.imports[k] = (label, n, "rerun", folder)
+
+
+def replicas_agree(cluster: Cluster, gen: str) -> list[str]:
+    """Every server that takes writes (ready: the live gallery's) reaches the store's head,
+    and they agree on the gallery's checksum there."""
+    from service.store.registry import open_as_found
+
+    store = open_as_found(cluster.galleries()["targets"][gen])
+    try:
+        head = store.last_seq()
+    finally:
+        store.close()
+    sums: dict[str, str] = {}
+    for url in cluster.urls():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(url + "/readyz", timeout=5)
+            except httpx.HTTPError:
+                break
+            body = r.json()
+            if r.status_code == 200 and body["gallery_version"] >= head:
+                sums[url] = body["gallery_checksum"]
+                break
+            if body.get("status") == "standby":
+                break  # (a server of another model's gallery)
+            time.sleep(0.2)
+    if not sums:
+        return [f"no server of the live gallery reached its head {head}"]
+    if len(set(sums.values())) > 1:
+        return [f"servers at write {head} disagree: {sums}"]
+    return []
