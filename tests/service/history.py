@@ -146,7 +146,25 @@ class Cluster:
         try:
             a = alias(g.home)
             gens = sorted({home_gen(g.home), *registry(g.home)})
-            writable = [x for x in gens if g.exists(x) and STANDBY not in g.open(x).meta()]
+
+            def collect() -> dict[str, tuple]:
+                out = {}
+                for x in gens:
+                    if g.exists(x):
+                        m = g.open(x).meta()
+                        out[x] = (m.get(STANDBY), m.get("live_epoch"))
+                return out
+
+            # a double collect: two reads of every gallery that agree saw one moment (the
+            # seal changes the source's standby flag, the promotion the target's flag and
+            # epoch; the clients' writes change neither)
+            seen, writable = collect(), None
+            for _ in range(20):
+                again = collect()
+                if again == seen:
+                    writable = [x for x, (flag, _) in seen.items() if flag is None]
+                    break
+                seen = again
             live = a["gen"] if a else home_gen(g.home)
             reg = registry(g.home)
             return {
@@ -348,6 +366,8 @@ class Nemesis(threading.Thread):
         """At most one gallery takes writes, at any moment."""
         with contextlib.suppress(Exception):
             w = self.cluster.galleries()["writable"]
+            if w is None:
+                return  # (the galleries kept changing: no consistent sample)
             self.journal.samples += 1
             if len(w) > 1:
                 self.journal.fail(f"two galleries take writes at once: {w}")
@@ -612,35 +632,39 @@ def summary(journal: Journal, nemesis: Nemesis) -> str:
 
 def trace(cluster: Cluster, journal: Journal, ids: list[int], path: Path) -> None:
     """What a failure needs to be understood, written to `path` (JSON lines): the operations
-    on `ids`, the nemesis's events, and every gallery's rows and log of those ids."""
+    on `ids`, the nemesis's events, every gallery's meta, log and rows of those ids, and the
+    commands' output."""
     import json
 
     from service.store.registry import open_as_found
 
     t0 = min((o.sent for o in journal.ops), default=0.0)
     with open(path, "w") as f:
+
+        def put(**kw) -> None:
+            f.write(json.dumps(kw, default=str) + "\n")
+
         for o in journal.ops:
             if set(o.ids) & set(ids):
-                f.write(
-                    json.dumps({"op": o.__dict__ | {"sent": o.sent - t0, "done": o.done - t0}})
-                    + "\n"
-                )
+                put(op={**o.__dict__, "sent": o.sent - t0, "done": o.done - t0})
         for at, what in journal.events:
-            f.write(json.dumps({"event": what, "at": at - t0}) + "\n")
-        g = cluster.galleries()
-        for gen, target in g["targets"].items():
-            with contextlib.suppress(Exception):
+            put(event=what, at=at - t0)
+        for gen, target in cluster.galleries()["targets"].items():
+            try:
                 s = open_as_found(target)
                 try:
-                    q = "SELECT id, label, add_seq, deleted_seq FROM items WHERE id IN ({})"
-                    rows = s._select(q.format(", ".join(str(int(i)) for i in ids)))
-                    meta = {k: v for k, v in s.meta().items() if not k.startswith("gallery:")}
+                    rows = []
+                    if ids:
+                        q = "SELECT id, label, add_seq, deleted_seq FROM items WHERE id IN ({})"
+                        rows = s._select(q.format(", ".join(str(int(i)) for i in ids)))
+                    meta = {k: v for k, v in s.meta().items()}
                     logs = s._select("SELECT seq, op, items, at FROM log ORDER BY seq")
-                    f.write(
-                        json.dumps(
-                            {"gallery": gen, "rows": rows, "meta": meta, "log": logs}, default=str
-                        )
-                        + "\n"
-                    )
+                    put(gallery=gen, rows=rows, meta=meta, log=logs)
                 finally:
                     s.close()
+            except Exception as e:  # (a trace of what could be read)
+                put(gallery=gen, error=repr(e))
+        for log in sorted(cluster.tmp.glob("tool-*.log")):
+            put(tool=log.name, output=log.read_text()[-2000:])
+        for m in sorted(cluster.tmp.glob("backup-*/backup.json")):
+            put(backup=str(m.parent), manifest=json.loads(m.read_text()))

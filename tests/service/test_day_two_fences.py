@@ -72,7 +72,7 @@ def test_two_switches_at_once_leave_one_live_gallery_with_every_acknowledged_wri
     writes: both switched, two galleries took writes, 320 acknowledged adds were missing from
     the alias's gallery. Now one carry or switch at a time (the carry lock) and a switch only
     from the live gallery (its seal is refused on standby): one live gallery, every add there."""
-    add(place, gen(0), "seed", 60, 0)
+    add(place, gen(0), "seed", 24, 0)
     acked: dict[int, str] = {}
     stop = threading.Event()
 
@@ -96,7 +96,7 @@ def test_two_switches_at_once_leave_one_live_gallery_with_every_acknowledged_wri
 
     def upgrade(m: int) -> None:
         try:
-            place.upgrade(m, True, delay=0.02)
+            place.upgrade(m, True, delay=0.01)
         except BaseException as e:  # (a traceback here: the two runs raced)
             errors.append(e)
 
