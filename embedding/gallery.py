@@ -25,6 +25,10 @@ STORE_SCHEMA_VERSION = 6
 # tombstones and requests: read as is, upgraded by `migrate_store`.
 READABLE_SCHEMAS = ("1", "2", "3", "4", "5", "6")
 SOURCES = ("trained", "added")
+# meta key: a store's own identity, random, given when a store is made from an index's seed (a
+# copy restored from a backup keeps it); two galleries of one model made at different times
+# differ in it (a carry's state names the store it follows)
+STORE_ID = "store_id"
 
 # The one schema both store backends create (service/store/sqlite.py, service/store/postgres.py):
 # {ID} is the integer type of ids and sequence numbers (SQLite's INTEGER PRIMARY KEY is the rowid;
@@ -255,6 +259,9 @@ def migrate_store(conn: sqlite3.Connection) -> bool:
                 conn.execute(added_column_sql(table, column, type_))
         for stmt in added_table_statements():
             conn.execute(stmt)
+        conn.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (STORE_ID, new_token())
+        )
         conn.execute(
             "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(STORE_SCHEMA_VERSION),)
         )

@@ -60,11 +60,36 @@ class Opening:
     # plans none itself
     carried_elsewhere: str | None = None
     store_target: str = ""  # this model's gallery store: the home store or a sibling
+    # the live gallery carried into this model's gallery built beside it, then switched (the
+    # alias ending at start-up: PostgreSQL, or a SQLite store with day-two galleries)
+    beside: Beside | None = None
 
     @property
     def migrating(self) -> str | None:
         """What start-up carries first (None: nothing): the data dir's store to this model."""
-        return self.plan.describe() if self.plan is not None else self.carried_elsewhere
+        if self.plan is not None:
+            return self.plan.describe()
+        if self.beside is not None:
+            return self.beside.describe()
+        return self.carried_elsewhere
+
+
+@dataclass
+class Beside:
+    """A start on a store whose galleries hold none of this model: its gallery is built beside
+    the live one by the carry engine and switched to (store/upgrade.py `run`, as `snca-gallery
+    upgrade --to THIS_RUN --switch` does)."""
+
+    home: str
+    gen: str
+    info: dict
+    seed: Path
+
+    def describe(self) -> str:
+        return (
+            f"no gallery of this model in {redact(self.home)}: building it beside the live one "
+            f"({self.gen}) and switching to it"
+        )
 
 
 def load_world(settings: Settings, ix: IndexDir, fingerprint: str) -> WorldFit | None:
@@ -117,10 +142,9 @@ def open_service(settings: Settings, metrics: Metrics, model_place: str = "threa
             adopted = data.adopt_legacy_store(settings.model)
         data, where = _locate(settings, data, model.fingerprint, ix.manifest.index_id)
         target = Target(model.fingerprint, ix.manifest.index_id, space, ix.dim)
-        # (a PostgreSQL store is checked when opened: a model with no gallery there is refused,
-        # naming `snca-gallery upgrade`, which builds one beside the live one)
         p = None
-        if settings.store_url is None and data.store.exists():
+        beside = _beside(settings, where, model.fingerprint, ix)
+        if beside is None and settings.store_url is None and data.store.exists():
             # under the data dir's migration lock: wait for one in progress elsewhere, finish
             # the swap of one that was sealed but not swapped, then look at what is there
             with exclusive(data):
@@ -144,7 +168,35 @@ def open_service(settings: Settings, metrics: Metrics, model_place: str = "threa
         adopted,
         world,
         store_target=where,
+        beside=beside,
     )
+
+
+def _beside(settings: Settings, where: str, fingerprint: str, ix: IndexDir) -> Beside | None:
+    """The alias ending at start-up, when the store at `where` (what _locate found) is the home
+    store of another model and cannot be swapped: on PostgreSQL always (no file to swap), on
+    SQLite when it has day-two galleries (an alias, or it is on standby). None otherwise."""
+    from service.store.galleries import gen_of
+    from service.store.records import STANDBY
+    from service.store.registry import backend_class
+
+    home = settings.store_url or str(settings.store_path)
+    cls = backend_class(home)
+    if where != home or not cls.exists(home):
+        return None
+    meta = cls.meta_of(home)
+    if (meta.get("model_fingerprint"), meta.get("index_id")) == (fingerprint, ix.manifest.index_id):
+        return None
+    day_two = any(k.startswith("alias:") for k in meta) or STANDBY in meta
+    if settings.store_url is None and not day_two:
+        return None  # (SQLite without day-two galleries: the swap ending)
+    info = {
+        "model_fingerprint": fingerprint,
+        "index_id": ix.manifest.index_id,
+        "model_dir": str(Path(settings.model).resolve()),
+        "index_dir": str(Path(settings.index).resolve()),
+    }
+    return Beside(home, gen_of(fingerprint, ix.manifest.index_id), info, ix.store)
 
 
 def settle_galleries(settings: Settings) -> str | None:
@@ -274,6 +326,15 @@ def finish_service(
     report = None
     if o.plan is not None:
         report = _migrate(o, settings, progress, status)
+    if o.beside is not None:
+        report = _carry_beside(o, settings, progress, status)
+    if o.beside is not None or o.carried_elsewhere is not None:  # (this model's gallery now)
+        o.data, o.store_target = _locate(
+            settings,
+            DataDir(settings.data_dir, settings.store_path),
+            o.fingerprint,
+            o.index.manifest.index_id,
+        )
     ix, data = o.index, o.data
     target = o.store_target or settings.store_url or settings.store_path
     store = open_gallery_store(target, ix.store, o.fingerprint, ix.manifest.index_id)
@@ -381,6 +442,53 @@ def load_gallery(store, built, manifest, fingerprint: str, data: DataDir, snapsh
     return Loaded(vectors, items, last_seq, base_seq, len(replay_add), len(replay_del))
 
 
+def _carry_beside(o: Opening, settings: Settings, progress, status=None) -> Report:
+    """The alias ending at start-up (Beside): store/upgrade.py `run` with this model, under the
+    home store's carry lock (an upgrade running meanwhile is waited for); what it did."""
+    from service.store.registry import backend_class
+    from service.store.upgrade import To, open_galleries, run
+
+    b = o.beside
+    log.info(b.describe())
+    cls = backend_class(b.home)
+    g = open_galleries(cls, b.home)
+    t0 = time.perf_counter()
+
+    def resolve(g, live):
+        def open_target(seed_meta):
+            target = g.target_of(b.gen)
+            return cls(target, b.seed, o.fingerprint, o.index.manifest.index_id, seed_meta)
+
+        def embed(items):
+            emb, stats, errs = o.runtime.embed_stored([it.image for it in items])
+            return emb, stats, list(errs)
+
+        return To(b.gen, b.info, open_target), embed
+
+    def say(line: str) -> None:
+        log.info(line)
+        if status is not None and line.startswith("waiting"):
+            status(line)
+
+    try:
+        out = run(g, resolve, True, settings.migration_batch, say, progress)
+    finally:
+        g.close()
+        g.home.close()
+    st = out.state or {}
+    carried = out.carry.carried if out.carry is not None else 0
+    r = Report(
+        carried=carried,
+        uncarried=[tuple(u) for u in st.get("uncarried", [])],
+        reembedded=True,
+        archive="",
+        seconds=time.perf_counter() - t0,
+        caught_up=int(st.get("caught_up", 0)),
+    )
+    log.info("gallery carried beside the live one and switched", extra={"fields": r.to_dict()})
+    return r
+
+
 def _migrate(o: Opening, settings: Settings, progress, status=None) -> Report | None:
     p = o.plan
     log.info(p.describe(), extra={"fields": {"total": p.total, "with_image": p.with_image}})
@@ -468,7 +576,7 @@ class ServiceHost:
         if o.plan is not None:
             self.phase = "migrating"
             self.progress = (0, o.plan.total)
-        elif o.carried_elsewhere is not None:
+        elif o.beside is not None or o.carried_elsewhere is not None:
             self.phase = "migrating"  # in the model process: it reports the progress
         message = "model process ready" if self.model_place == "inline" else "ready"
         try:

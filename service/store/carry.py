@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from embedding.errors import ArtifactError
-from embedding.gallery import SQL_TYPES, utc_now
+from embedding.gallery import SQL_TYPES, STORE_ID, utc_now
 from service.store import sql
 from service.store.base import Store, insert_items, stored_items, trained_key
 from service.store.records import ChangeSet, StoredItem, blob, changes_from_rows
@@ -127,11 +127,15 @@ class Carry:
         )
         return json.loads(rows[0][0]) if rows else None
 
-    def _save(self, conn, st: dict) -> None:
-        """Inside a target write: the state, and (ids kept) the id counter past every id the
-        source gave out by then (an id the source used for an item deleted before it was
-        carried must never be given out again by the target once live)."""
+    def _save(self, conn, st: dict, seq: int | None = None) -> None:
+        """Inside a target write (`seq`; None: bookkeeping with no seq): the state, with the
+        target's seq it describes (a resume finding the target written since by anything else
+        starts again, reconciled), and (ids kept) the id counter past every id the source gave
+        out by then (an id the source used for an item deleted before it was carried must
+        never be given out again by the target once live)."""
         tgt = self.target.store
+        if seq is not None:
+            st["target_seq"] = int(seq)
         tgt.set_meta(conn, state_key(self.source.gen), json.dumps(st, sort_keys=True))
         want = int(st.get("source_next_id", 0))
         if want and not self._renumbered():
@@ -150,6 +154,20 @@ class Carry:
         """The carry's state: resumed, or started now (see the module docstring)."""
         src, tgt = self.source.store, self.target.store
         st = self.state()
+        here = src.meta().get(STORE_ID)
+        stale = None
+        if st is not None and st.get("source_store") not in (None, here):
+            # another store of the same model and index build (the gallery was swapped away at
+            # a start-up and made again since): the state follows a store that is gone
+            stale = f"it was carried from an earlier store of {self.source.gen}"
+        elif st is not None and st.get("target_seq") not in (None, tgt.last_seq()):
+            # the target was written since by something else (a carry from another gallery,
+            # its own writes while live): the state no longer describes what it holds
+            stale = "it was written since by another carry or while it was live"
+        if stale is not None:
+            self.say(f"carrying into {self.target.gen} again from the start: {stale}")
+            tgt.plain(lambda c: self.forget(c))
+            st = None
         if st is not None:
             seq = int(st["source_seq"])
             tok = src.log_token(seq) if seq > 0 else None
@@ -173,6 +191,7 @@ class Carry:
         requests = [] if renumber else src._select(src.dialect.q(REQUESTS_UPTO), (seq,))
         st = {
             "source_seq": seq,
+            "source_store": here,
             "token": src.log_token(seq),
             "after_id": -1,
             "backfilled": False,
@@ -189,7 +208,7 @@ class Carry:
             tgt.set_meta(conn, "next_id", str(next_id))
             self._bury(conn, wseq, tombs, gone)
             self._copy_requests(conn, requests)
-            self._save(conn, st)
+            self._save(conn, st, wseq)
 
         self._write(fn)
         self.say(f"carrying {self.source.gen} into {self.target.gen} from write {seq}")
@@ -346,7 +365,7 @@ class Carry:
             if extra is None:
                 self._save_plain(st)
             else:
-                self._write(lambda conn, seq: (extra(conn, seq), self._save(conn, st)))
+                self._write(lambda conn, seq: (extra(conn, seq), self._save(conn, st, seq)))
             return
         renumber = self._renumbered()
         for n, run in enumerate(runs):
@@ -367,7 +386,7 @@ class Carry:
                 if last:
                     if extra is not None:
                         extra(conn, seq)
-                    self._save(conn, st)
+                    self._save(conn, st, seq)
 
             self._write(fn)
             self.carried += len(run)
@@ -449,7 +468,7 @@ class Carry:
                 def fn(conn, seq, ids=ids, tomb=tomb, extra=extra):
                     self._bury(conn, seq, tomb, ids)
                     extra(conn, seq)
-                    self._save(conn, st)
+                    self._save(conn, st, seq)
 
                 self._write(fn)
         self.caught_up += n
@@ -484,7 +503,7 @@ class Carry:
 
         def fn(conn, seq):
             self._bury(conn, seq, tombs, gone)
-            self._save(conn, st)
+            self._save(conn, st, seq)
 
         self._write(fn)
 

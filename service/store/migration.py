@@ -409,12 +409,12 @@ class Migration:
 
         registered = {k: v for k, v in old_meta.items() if k.startswith("gallery:")}
 
-        def fn(nconn, nseq):
+        def fn(nconn):  # (bookkeeping: no seq, so the carry's state still describes it)
             set_meta(nconn, "migrated_from", json.dumps(self._summary(report)))
             for k, v in registered.items():  # galleries built beside it by upgrades
                 set_meta(nconn, k, v)
 
-        new.transaction(fn, "carry")
+        new.plain(fn)
 
     def _tidy(self, new: SqliteStore, carry: Carry) -> None:
         """The old store is sealed: the new one replaces it, no carry state left (a crash

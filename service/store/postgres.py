@@ -36,6 +36,7 @@ from embedding.gallery import (
     ADDED_COLUMNS,
     ITEM_COLUMNS,
     SQL_TYPES,
+    STORE_ID,
     STORE_SCHEMA_VERSION,
     added_table_statements,
     new_token,
@@ -290,6 +291,11 @@ class PostgresStore(Store):
             conn.close()
 
     @classmethod
+    def finish_swap(cls, home, waiting=None) -> bool:
+        """SqliteStore.finish_swap: a database is never swapped (nothing to finish)."""
+        return False
+
+    @classmethod
     def leftovers(cls, target) -> list[str]:
         """Other models' galleries in the database `target` (schemas snca_<gen> holding one)."""
         conn = cls._connect_to(str(target), autocommit=True)
@@ -455,6 +461,10 @@ class PostgresStore(Store):
                 )
             for stmt in added_table_statements(D.name):  # each table the database lacks
                 conn.execute(stmt)
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING",
+                (STORE_ID, new_token()),
+            )
             conn.execute(D.q(sql.SET_META), (str(STORE_SCHEMA_VERSION), "schema_version"))
 
         self._run(fn)
@@ -641,6 +651,7 @@ def _copy_seed(conn, seed: Path, extra: dict[str, str]) -> int:
         schema_version=str(STORE_SCHEMA_VERSION),
         log_floor=meta.get("last_seq", "0"),
         seeded_at=utc_now(),
+        **{STORE_ID: new_token()},  # (this gallery's own identity)
         **extra,
     )
     with conn.cursor() as cur:

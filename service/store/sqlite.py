@@ -27,6 +27,7 @@ import numpy as np
 from embedding.artifacts import fsync_dir
 from embedding.errors import ArtifactError
 from embedding.gallery import (
+    STORE_ID,
     STORE_SCHEMA_VERSION,
     migrate_store,
     new_token,
@@ -191,6 +192,19 @@ class SqliteStore(Store):
             out.close()
 
     @classmethod
+    def finish_swap(cls, home, waiting=None) -> bool:
+        """A start-up migration sealed the home store `home` but did not swap its new store in
+        (a crash): swap it now (store/migration.py `settle`, under the data dir's migration
+        lock); whether it did."""
+        from service.store.datadir import DataDir
+        from service.store.migration import exclusive, settle
+
+        path = Path(home)
+        data = DataDir(path.parent, path)
+        with exclusive(data, waiting):
+            return settle(data, waiting) is not None
+
+    @classmethod
     def leftovers(cls, target) -> list[str]:
         """What a restore into `target` would find beside it from an earlier history: other
         models' galleries (galleries/*/STORE), a half-done migration (STORE.migrating)."""
@@ -315,14 +329,13 @@ class SqliteStore(Store):
     def _copy_seed(self, seed: Path, extra: dict[str, str]) -> None:
         tmp = self.path.with_name(f".{self.path.name}.seed-{os.getpid()}")
         shutil.copyfile(seed, tmp)
-        if extra:
-            conn = sqlite3.connect(tmp)
-            try:
-                for k, v in extra.items():
-                    set_meta(conn, k, v)
-                conn.commit()
-            finally:
-                conn.close()
+        conn = sqlite3.connect(tmp)
+        try:  # (this store's own identity: every store seeded from one index is another)
+            for k, v in {STORE_ID: new_token(), **extra}.items():
+                set_meta(conn, k, v)
+            conn.commit()
+        finally:
+            conn.close()
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from embedding.errors import ArtifactError
-from embedding.gallery import utc_now
+from embedding.gallery import STORE_ID, utc_now
 from service.store.base import Store
 from service.store.carry import Carry, Embed, Side, state_key
 from service.store.galleries import (
@@ -46,7 +46,7 @@ from service.store.galleries import (
     registry,
     set_alias,
 )
-from service.store.records import STANDBY
+from service.store.records import CARRIED_TO, STANDBY
 
 
 class Galleries:
@@ -61,6 +61,14 @@ class Galleries:
             with contextlib.suppress(Exception):
                 s.close()
         self._open.clear()
+
+    def reopen_home(self) -> None:
+        """The home store again (a start-up swap put another file in its place)."""
+        from service.store.registry import open_as_found
+
+        with contextlib.suppress(Exception):
+            self.home.close()
+        self.home = open_as_found(self.home_target)
 
     def lock(self, say: Callable[[str], None]):
         return self.cls.carry_lock(self.home_target, say)
@@ -130,6 +138,10 @@ def settle(g: Galleries, say: Callable[[str], None]) -> str:
     another: that one made live, the alias moved), or take back a seal whose target is gone;
     then put every other registered gallery that is not on standby there (a first run that
     died before flagging its target, or a store written by an older version). The live gen."""
+    if CARRIED_TO in g.home.meta():  # a start-up migration sealed it, not yet swapped
+        if g.cls.finish_swap(g.home_target, say):
+            say(f"finished the swap of a start-up migration of {g.home_target}")
+        g.reopen_home()
     live, epoch = g.live()
     s = g.open(live)
     flag = s.meta().get(STANDBY)
@@ -217,6 +229,7 @@ def switch(g: Galleries, carry: Carry, st: dict, say: Callable[[str], None] = pr
         t_seq = tgt.store.last_seq()  # (on standby: only this run writes it)
         back = {
             "source_seq": t_seq,
+            "source_store": tgt.store.meta().get(STORE_ID),
             "token": tgt.store.log_token(t_seq) if t_seq > 0 else None,
             "after_id": -1,
             "backfilled": True,
@@ -224,6 +237,7 @@ def switch(g: Galleries, carry: Carry, st: dict, say: Callable[[str], None] = pr
             "uncarried": [],
             "uncarried_count": 0,
             "started_at": utc_now(),
+            "target_seq": seq,  # (this seal's write: the gallery it describes)
         }
         src.store.set_meta(conn, state_key(tgt.gen), json.dumps(back, sort_keys=True))
         sealed = {

@@ -13,7 +13,11 @@ counts any 5xx as a failure, so exactly that answer is dropped (the fuzz server 
 it; with one server it comes only in the moment between a write's commit and its answer).
 schemathesis reports the 422 as "schema-valid request rejected" (ST202): the schema cannot say
 "at most the store's last write", so exactly those answers (and the 429 of too many waiting)
-are dropped too; every other failure of such a request still fails the run.
+are dropped too; every other failure of such a request still fails the run. The same for an
+Idempotency-Key that an earlier generated request used with other content (422
+`idempotency_key_reused`: it depends on what the server saw before). And a "violation" that
+only adds a header the document does not name (any HTTP request may carry headers a server does
+not read; schemathesis makes them with two documented header parameters on a route).
 
 schemathesis 4.32 also makes a multipart body "violate" `additionalProperties` by adding a
 property whose value is an empty list: a multipart form sends no part for it, so the request on
@@ -43,6 +47,28 @@ def _version_not_applied(case, response) -> bool:
     return "x-min-gallery-version" in sent and (response.status_code, code) in STATEFUL
 
 
+def _key_used_before(case, response) -> bool:
+    """A schema-valid Idempotency-Key that an earlier generated request already used, with
+    other content: the documented 422 idempotency_key_reused depends on what the server saw
+    before, not on the request's shape (tests/service/test_routes.py tests it)."""
+    if response is None or response.status_code != 422:
+        return False
+    sent = {k.lower() for k in (case.headers or {})}
+    try:
+        code = response.json().get("code")
+    except Exception:
+        return False
+    return "idempotency-key" in sent and code == "idempotency_key_reused"
+
+
+def _extra_header_only(failure) -> bool:
+    """A "violation" that only adds a header the document does not name: HTTP lets a client
+    send any header, and the service ignores those it does not read (an OpenAPI document
+    cannot say that header parameters allow others)."""
+    msg = getattr(failure, "message", "") or ""
+    return "in header - object with unexpected properties" in msg
+
+
 def _form_schema(case) -> dict:
     body = case.operation.definition.raw.get("requestBody", {})
     return body.get("content", {}).get("multipart/form-data", {}).get("schema", {})
@@ -63,9 +89,11 @@ def _nothing_extra_sent(case, failure) -> bool:
 
 @schemathesis.hook
 def filter_failure(context, failure, case, response) -> bool:
-    if _version_not_applied(case, response):
+    if _version_not_applied(case, response) or _key_used_before(case, response):
         return False
     if getattr(failure, "code", None) == "ST201" and _nothing_extra_sent(case, failure):
+        return False
+    if getattr(failure, "code", None) == "ST201" and _extra_header_only(failure):
         return False
     if getattr(failure, "code", None) != "ST201" or "/properties/label" not in failure.message:
         return True

@@ -279,14 +279,16 @@ def test_backup_under_writes_restores_the_same_gallery(backend, base_run, tmp_pa
 
 
 def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
-    backend, base_run, new_model, tmp_path, fmnist_train
+    base_run, new_model, tmp_path, fmnist_train
 ):
-    """Old-model server A takes adds and deletes throughout. `snca-gallery upgrade --to NEW`
+    """(SQLite; PostgreSQL's upgrades run in the history checker, tests/service/test_history.py,
+    and its start-up carry below.) Old-model server A takes adds and deletes throughout. `snca-gallery upgrade --to NEW`
     is SIGKILLed half-way through its copy and run again (resumes); a new-model server B serves
     the new gallery read-only meanwhile (/readyz standby, writes 503); `upgrade --switch` makes
     it live while A still writes: every write A acknowledged is in B's gallery, nothing twice
     (the same ids and labels as A's gallery, the same checksum), A is on standby. Writes on B,
     then `snca-gallery rollback`: A takes writes again and holds B's writes."""
+    backend = Backend("sqlite", tmp_path)
     a = backend.start(base_run, env=FAST, model_process=False)  # (the writers' server)
     seed(a.url, fmnist_train, 160)
     w = Writer(a.url, fmnist_train)
@@ -360,6 +362,51 @@ def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
         live = [x for x in g["galleries"] if x["live"]]
         assert len(live) == 1 and not live[0]["standby"]
         assert g["alias"]["previous"] is not None
+    finally:
+        for s in (b, a):
+            if s is not None:
+                s.kill()
+
+
+def test_a_new_model_started_on_postgresql_builds_its_gallery_beside_and_switches(
+    postgres,  # noqa: F811 (the fixture)
+    base_run,
+    new_model,
+    tmp_path,
+    fmnist_train,
+):
+    """PostgreSQL has the start-up carry too (the one carry engine, its alias ending): a
+    replica started with a model that has no gallery in the database builds it beside the live
+    one while old-model server A keeps writing, switches, and serves; A turns standby; every
+    write A acknowledged is on the new gallery. Then `snca-gallery rollback` switches back."""
+    backend = Backend("postgresql", tmp_path, postgres)
+    a = backend.start(base_run, env=FAST, model_process=False)
+    seed(a.url, fmnist_train, 48)
+    w = Writer(a.url, fmnist_train)
+    w.start()
+    b = None
+    try:
+        until(lambda: len(w.added) >= 5)
+        b = backend.start(new_model, env=FAST, wait_for="/healthz")  # (a front + model process)
+        until(lambda: ready(b.url).get("status") == "ready", timeout=300)
+        until(lambda: ready(a.url).get("status") == "standby")
+        until(lambda: len(w.refused) >= 2)
+    finally:
+        w.stop.set()
+        w.join(timeout=60)
+    try:
+        assert all(code == 503 for code in w.refused), w.refused
+        on_b = added_items(b.url)
+        for i, label in w.live().items():
+            assert on_b.get(i) == label, (i, label)
+        for i in w.deleted:
+            assert i not in on_b, i
+        assert ready(b.url)["migration"]["carried"] >= 48
+        assert follows(backend, base_run) == new_model.resolve()
+        p = tool(backend, base_run, "rollback", "--no-progress")
+        assert "switched" in p.stdout
+        until(lambda: ready(a.url).get("status") == "ready")
+        assert added_items(a.url) == on_b
     finally:
         for s in (b, a):
             if s is not None:
