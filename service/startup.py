@@ -15,6 +15,7 @@ start-up is, and the ServiceState once it is built.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embedding.errors import ArtifactError
+from embedding.errors import ArtifactError, SNCAError
 from embedding.index import IndexDir, open_index_dir
 from embedding.progress import Progress
 from embedding.rundir import RunDir
@@ -226,6 +227,45 @@ def settle_galleries(settings: Settings) -> str | None:
             g.close()
             g.home.close()
     return "; ".join(said) or None
+
+
+def register_model(settings: Settings) -> None:
+    """Record in the home store's registry which run and index dirs serve this model's gallery
+    (when it exists and the registry does not say yet): a rollback to it, or a server started
+    with --follow-alias, needs them, also when its gallery was never upgraded to by name."""
+    from embedding.index import read_manifest
+    from service.store.galleries import gen_of, register, registry
+    from service.store.registry import backend_class, open_as_found
+
+    home = settings.store_url or str(settings.store_path)
+    cls = backend_class(home)
+    if not cls.exists(home) or (settings.store_url is None and not os.access(home, os.W_OK)):
+        return
+    try:
+        fingerprint = RunDir(settings.model).load_model_card()[1]
+        gen = gen_of(fingerprint, read_manifest(settings.index).index_id)
+    except (SNCAError, OSError, ValueError):
+        return  # (open_service says what is wrong with the model, if it is served)
+    h = open_as_found(home)
+    try:
+        m = h.meta()
+        mine = gen_of(m["model_fingerprint"], m["index_id"]) == gen
+        if (mine or gallery_key_in(m, gen)) and not registry(h).get(gen, {}).get("model_dir"):
+            info = {
+                "model_fingerprint": fingerprint,
+                "index_id": read_manifest(settings.index).index_id,
+                "model_dir": str(Path(settings.model).resolve()),
+                "index_dir": str(Path(settings.index).resolve()),
+            }
+            register(h, gen, info)
+    finally:
+        h.close()
+
+
+def gallery_key_in(meta: dict, gen: str) -> bool:
+    from service.store.galleries import gallery_key
+
+    return gallery_key(gen) in meta
 
 
 def follow_alias(settings: Settings) -> str | None:
@@ -593,6 +633,11 @@ class ServiceHost:
         except BaseException:
             o.runtime.close()
             raise
+        if self.model_place != "inline":  # (once per worker: the front does it)
+            try:
+                register_model(self.settings)
+            except Exception as e:  # (bookkeeping for rollbacks: never fails a start)
+                log.warning("could not record this model in the galleries' registry: %s", e)
         self.phase = "ready"
         return self.state
 
