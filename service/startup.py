@@ -234,7 +234,7 @@ def register_model(settings: Settings) -> None:
     (when it exists and the registry does not say yet): a rollback to it, or a server started
     with --follow-alias, needs them, also when its gallery was never upgraded to by name."""
     from embedding.index import read_manifest
-    from service.store.galleries import gen_of, register, registry
+    from service.store.galleries import gen_of, register_served
     from service.store.registry import backend_class, open_as_found
 
     home = settings.store_url or str(settings.store_path)
@@ -246,26 +246,17 @@ def register_model(settings: Settings) -> None:
         gen = gen_of(fingerprint, read_manifest(settings.index).index_id)
     except (SNCAError, OSError, ValueError):
         return  # (open_service says what is wrong with the model, if it is served)
+    info = {
+        "model_fingerprint": fingerprint,
+        "index_id": read_manifest(settings.index).index_id,
+        "model_dir": str(Path(settings.model).resolve()),
+        "index_dir": str(Path(settings.index).resolve()),
+    }
     h = open_as_found(home)
     try:
-        m = h.meta()
-        mine = gen_of(m["model_fingerprint"], m["index_id"]) == gen
-        if (mine or gallery_key_in(m, gen)) and not registry(h).get(gen, {}).get("model_dir"):
-            info = {
-                "model_fingerprint": fingerprint,
-                "index_id": read_manifest(settings.index).index_id,
-                "model_dir": str(Path(settings.model).resolve()),
-                "index_dir": str(Path(settings.index).resolve()),
-            }
-            register(h, gen, info)
+        register_served(h, gen, info)
     finally:
         h.close()
-
-
-def gallery_key_in(meta: dict, gen: str) -> bool:
-    from service.store.galleries import gallery_key
-
-    return gallery_key(gen) in meta
 
 
 def follow_alias(settings: Settings) -> str | None:
@@ -377,7 +368,10 @@ def finish_service(
         )
     ix, data = o.index, o.data
     target = o.store_target or settings.store_url or settings.store_path
-    store = open_gallery_store(target, ix.store, o.fingerprint, ix.manifest.index_id)
+    home = settings.store_url or str(settings.store_path)
+    # (a sibling is never made here: only an upgrade makes one, on standby from its start)
+    seed = ix.store if str(target) == str(home) else None
+    store = open_gallery_store(target, seed, o.fingerprint, ix.manifest.index_id)
     try:
         loaded = load_gallery(store, ix.index, ix.manifest, o.fingerprint, data, snapshot=True)
         g = Gallery(

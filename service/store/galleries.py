@@ -87,6 +87,18 @@ def register(home: Store, gen: str, info: dict) -> None:
     home.plain(lambda c: home.set_meta(c, gallery_key(gen), json.dumps(info, sort_keys=True)))
 
 
+def register_served(home: Store, gen: str, info: dict) -> bool:
+    """A server of the gallery `gen` records which run and index dirs serve it (`info`), when
+    that gallery is the home store's own or registered, and the registry does not say yet;
+    whether it did."""
+    m = home.meta()
+    mine = gen_of(m["model_fingerprint"], m["index_id"]) == gen
+    if not (mine or gallery_key(gen) in m) or registry(home).get(gen, {}).get("model_dir"):
+        return False
+    register(home, gen, info)
+    return True
+
+
 class AliasMoved(Exception):
     """The alias is not where this switch found it: another switch ran (the fence)."""
 

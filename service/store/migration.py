@@ -407,7 +407,12 @@ class Migration:
         report.carried, report.uncarried = fresh.carried, fresh.uncarried
         report.deleted_trained = fresh.deleted_trained
 
-        registered = {k: v for k, v in old_meta.items() if k.startswith("gallery:")}
+        # galleries built beside the old store by upgrades stay registered (not the old store's
+        # own entry, nor the new one's: neither is a gallery beside it)
+        own = {f"gallery:{carry.source.gen}", f"gallery:{carry.target.gen}"}
+        registered = {
+            k: v for k, v in old_meta.items() if k.startswith("gallery:") and k not in own
+        }
 
         def fn(nconn):  # (bookkeeping: no seq, so the carry's state still describes it)
             set_meta(nconn, "migrated_from", json.dumps(self._summary(report)))

@@ -45,9 +45,10 @@ def locate_gallery(
     home: str | Path, data_dir: Path, fingerprint: str, index_id: str
 ) -> tuple[str, Path]:
     """(store target, data dir) of this model's gallery: the home store when it belongs to
-    the model (or does not exist yet), else the sibling an upgrade registered for it
-    (galleries.py), else the home store again (SQLite: carried at start-up; PostgreSQL:
-    refused, naming `snca-gallery upgrade`)."""
+    the model (or does not exist yet), else the sibling an upgrade registered and built for it
+    (galleries.py), else the home store again (the start-up carries this model's gallery from
+    it: swapped in, or built beside it). A server never makes a sibling: only an upgrade does,
+    on standby from its first moment."""
     cls = backend_class(home)
     if not cls.exists(home):
         return str(home), Path(data_dir)
@@ -55,6 +56,6 @@ def locate_gallery(
     if (meta.get("model_fingerprint"), meta.get("index_id")) == (fingerprint, index_id):
         return str(home), Path(data_dir)
     gen = gen_of(fingerprint, index_id)
-    if gallery_key(gen) in meta:
+    if gallery_key(gen) in meta and cls.exists(cls.sibling(home, gen)):
         return cls.sibling(home, gen), sibling_data_dir(data_dir, gen)
     return str(home), Path(data_dir)

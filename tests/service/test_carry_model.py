@@ -33,7 +33,7 @@ from hypothesis.stateful import (
 from embedding.errors import ArtifactError
 from service.store import backup, migration
 from service.store.datadir import DataDir
-from service.store.galleries import alias, home_gen
+from service.store.galleries import alias, gen_of, home_gen, register_served
 from service.store.migration import exclusive
 from service.store.records import CARRIED_TO, STANDBY, StoreUnavailable
 from service.store.upgrade import settle
@@ -202,6 +202,41 @@ def make_machine(kind: str, pg=None):
                         if source == "added":
                             self.live_added.pop(item_id, None)
                             self.dead.add(item_id)
+
+        @rule(m=st.integers(0, 2), label=st.sampled_from(LABELS))
+        def serve_model(self, m, label):
+            """A server of model m started now writes to the gallery it finds as a server does
+            (registry.locate_gallery; never making one): acknowledged only where it may."""
+            from service.store.registry import locate_gallery
+
+            home = self.place.home
+            where, _ = locate_gallery(home, self.place.dir / "data", fingerprint(m), index_id(m))
+            cls = self.place.cls
+            if where == str(home) and gen_of(fingerprint(m), index_id(m)) != self.home_gen():
+                return  # (home belongs to another model: the start carries it first)
+            seed = self.place.seeds[m] if where == str(home) else None  # (as startup does)
+            with closing(self.place.galleries()) as g:  # (startup.register_model)
+                info = {"model_fingerprint": fingerprint(m), "index_id": index_id(m), "m": m}
+                register_served(g.home, gen_of(fingerprint(m), index_id(m)), info)
+            try:
+                s = cls(where, seed, fingerprint(m), index_id(m))
+            except ArtifactError:
+                seen("servers with no gallery of their model")
+                return
+            try:
+                b = image(self.n)
+                self.n += 1
+                _, ids = s.add(label, [embedding(b)], [None], [(b, "image/png")])
+            except StoreUnavailable:
+                return
+            finally:
+                s.close()
+            self.live_added.update({i: label for i in ids})
+            seen("adds through a server of a model")
+
+        def home_gen(self) -> str:
+            with closing(self.place.galleries()) as g:
+                return home_gen(g.home)
 
         @rule(label=st.sampled_from(LABELS))
         def stale_write(self, label):

@@ -345,3 +345,35 @@ def test_the_backup_manifest_is_checked_field_by_field(place, tmp_path):
         with pytest.raises(ArtifactError, match=field):
             backup.verify(out)
     (out / backup.MANIFEST).write_text(json.dumps(good))
+
+
+def test_a_server_never_makes_a_gallery_beside_the_live_one(tmp_path):
+    """The history checker's finding: a model's server had recorded its gallery (the home
+    store) in the registry; a server of another model then carried the home store at start-up
+    (the swap), copying the registry, own entry included; the first model's next server found
+    its gallery "registered", made a fresh one beside the live one from its index (ids from
+    the start again) and took writes there: two galleries live, ids given twice. Now the swap
+    keeps only galleries built beside it, a registered gallery must exist to be served, and a
+    server opens a sibling without a seed (it never makes one)."""
+    from pathlib import Path
+
+    from service.store.datadir import DataDir
+    from service.store.galleries import register_served
+    from service.store.migration import Migration, Target, plan
+    from service.store.registry import locate_gallery
+
+    from .galleries_fake import DIM, embed, fingerprint, index_id
+
+    place = Place("sqlite")
+    try:
+        add(place, gen(0), "a", 3, 0)
+        with closing(place.galleries()) as g:  # (a server of model 0: startup.register_model)
+            assert register_served(g.home, gen(0), {"model_dir": "runs/model0"})
+        home = Path(place.home)
+        p = plan(home, Target(fingerprint(1), index_id(1), "embedding", DIM))
+        Migration(p, DataDir(home.parent, home), place.seeds[1], embed, 2).run()
+        where, _ = locate_gallery(home, home.parent, fingerprint(0), index_id(0))
+        assert where == str(home)  # (home is model 1's now: model 0's start carries it back)
+        assert not list((home.parent / "galleries").glob("*/gallery.sqlite"))
+    finally:
+        place.close()

@@ -1,10 +1,10 @@
 """Faults on a real server process: the disk fills up, SIGTERM arrives during batches, clients
-interleave writes and reads, kill -9 lands at random points of add/delete traffic. Nothing
-acknowledged is lost, nothing deleted comes back, and the store stays intact.
+interleave writes and reads. Nothing acknowledged is lost, nothing deleted comes back, and the
+store stays intact.
 
-SNCA_STRESS_ROUNDS (default 3) sets the kill -9 rounds; `make stress` runs many more."""
+(kill -9 at random points of concurrent adds and deletes: tests/service/test_history.py, the
+history checker, which does it to servers, model processes and the snca-gallery commands.)"""
 
-import json
 import os
 import random
 import resource
@@ -18,8 +18,6 @@ import httpx
 import pytest
 
 from .conftest import Server, of_class, png
-
-ROUNDS = int(os.environ.get("SNCA_STRESS_ROUNDS", "3"))
 
 
 def _add(c, label, image, n=1):
@@ -268,81 +266,6 @@ def test_interleaved_writes_and_reads_stay_consistent(base_run, tmp_path, fmnist
     finally:
         server.kill(signal.SIGTERM)
     assert errors == []
-
-
-@pytest.mark.slow
-def test_kill_9_at_random_points_of_adds_and_deletes(base_run, tmp_path, fmnist_test):
-    data_dir = tmp_path / "serve"
-    img = png(fmnist_test, 3)
-    acked_add: dict[int, str] = {}  # id -> label
-    acked_del: set[int] = set()
-    tried_del: set[int] = set()  # a delete cut by the kill may or may not have been applied
-    lock = threading.Lock()
-    rng = random.Random(7)
-    for round_ in range(ROUNDS):
-        # one process: what is under test is the write path, the same in both modes (the
-        # front writes); a model process's restarts are test_model_process's, and each would
-        # cost this loop a second start-up per round
-        srv = Server(base_run, data_dir, None, "--no-model-process")
-        stop = threading.Event()
-
-        def client(w, srv=srv, stop=stop, round_=round_):
-            mine: list[int] = []
-            r_ = random.Random(round_ * 10 + w)
-            with httpx.Client(base_url=srv.url, timeout=10) as c:
-                while not stop.is_set():
-                    try:
-                        if mine and r_.random() < 0.4:
-                            victim = mine.pop(r_.randrange(len(mine)))
-                            with lock:
-                                tried_del.add(victim)
-                            r = c.delete(f"/gallery/items/{victim}")
-                            if r.status_code == 200:
-                                with lock:
-                                    acked_del.add(victim)
-                        else:
-                            label = f"r{round_}w{w}"
-                            r = c.post(
-                                "/gallery/add",
-                                data={"label": label, "metadata": json.dumps({"w": w})},
-                                files=[("images", ("a.png", img, "image/png"))] * 3,
-                            )
-                            if r.status_code == 201:
-                                with lock:
-                                    for i in r.json()["ids"]:
-                                        acked_add[i] = label
-                                mine += r.json()["ids"]
-                    except httpx.HTTPError:
-                        return  # killed mid-request: not acknowledged
-
-        threads = [threading.Thread(target=client, args=(w,)) for w in range(4)]
-        for t in threads:
-            t.start()
-        time.sleep(rng.uniform(0.5, 2.5))
-        srv.kill(signal.SIGKILL)
-        stop.set()
-        for t in threads:
-            t.join()
-    assert len(acked_add) > 20 and acked_del
-    conn = sqlite3.connect(data_dir / "gallery.sqlite")
-    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    live = {
-        r[0]
-        for r in conn.execute("SELECT id FROM items WHERE deleted_seq IS NULL AND source = 'added'")
-    }
-    conn.close()
-    assert set(acked_add) - tried_del <= live  # every acknowledged add nobody tried to delete
-    assert not (acked_del & live)  # every acknowledged delete
-    srv = Server(base_run, data_dir)
-    try:
-        labels = {
-            x["label"]: x["count"] for x in httpx.get(srv.url + "/gallery/labels").json()["labels"]
-        }
-        for label in set(acked_add.values()):
-            expect = sum(1 for i in live if acked_add.get(i) == label)
-            assert labels.get(label, 0) >= expect, label
-    finally:
-        srv.kill(signal.SIGTERM)
 
 
 @pytest.mark.slow

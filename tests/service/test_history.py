@@ -27,6 +27,7 @@ from .history import (
     check,
     png_of,
     read_live,
+    stores_intact,
     trace,
 )
 from .history import summary as describe
@@ -96,6 +97,7 @@ def test_no_acknowledged_write_is_lost_under_random_faults(
             backup.verify(path)
             bad += backup_holds(path, journal.ops, started)
         bad += replicas_agree(cluster, gen)
+        bad += stores_intact(cluster, gen)
         g = cluster.galleries()
         if g["writable"] != [g["alias_gen"]]:
             bad.append(f"after the faults: writable {g['writable']}, alias {g['alias_gen']}")
@@ -168,7 +170,10 @@ def resolve(journal: Journal, url: str, raw, nemesis: Nemesis, cluster: Cluster)
                 continue
             if op.outcome == "failed" and not op.detail.startswith("503"):
                 continue
-            files = [("images", ("x.png", png_of(raw, op.image), "image/png"))]
+            files = [
+                ("images", (f"{k}.png", png_of(raw, op.image + k), "image/png"))
+                for k in range(op.count)
+            ]
             for _ in range(60):
                 r = c.post(
                     "/gallery/add",

@@ -1,18 +1,16 @@
-"""A real snca-serve (uvicorn) process: classify, add, search, delete, restart, kill -9."""
+"""A real snca-serve (uvicorn) process: classify, add, search, delete, restart (kill -9 under
+concurrent writes: the history checker, tests/service/test_history.py)."""
 
 import json
 import signal
-import sqlite3
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from .conftest import Server, label_counts, of_class, png
+from .conftest import Server, of_class, png
 
 
 def test_cli_refuses_bad_config_clearly(tmp_path):
@@ -129,68 +127,5 @@ def test_real_server_end_to_end_and_restart(base_run, tmp_path, fmnist_test, fmn
             files={"image": ("q.png", png(fmnist_train, 0), "image/png")},
         )
         assert r.json()["items"][0]["id"] == late
-    finally:
-        srv.kill(signal.SIGTERM)
-
-
-@pytest.mark.slow
-def test_kill_9_during_concurrent_adds_loses_no_acknowledged_write(
-    base_run, tmp_path, fmnist_train
-):
-    data_dir = tmp_path / "serve"
-    images = [png(fmnist_train, i) for i in range(8)]
-    acked: list[tuple[int, list[int]]] = []  # (request number, ids)
-    lock = threading.Lock()
-    for round_ in range(3):
-        srv = Server(base_run, data_dir)
-        stop = threading.Event()
-
-        def client(worker, srv=srv, stop=stop, round_=round_):
-            c = httpx.Client(base_url=srv.url, timeout=10)
-            n = 0
-            while not stop.is_set():
-                n += 1
-                label = f"r{round_}w{worker}n{n}"
-                try:
-                    r = c.post(
-                        "/gallery/add",
-                        data={"label": label, "metadata": json.dumps({"n": n})},
-                        files=[("images", (f"{j}.png", images[j], "image/png")) for j in range(4)],
-                    )
-                except httpx.HTTPError:
-                    return  # the server died mid-request: not acknowledged
-                if r.status_code == 201:
-                    with lock:
-                        acked.append((label, r.json()["ids"]))
-
-        threads = [threading.Thread(target=client, args=(w,)) for w in range(4)]
-        for t in threads:
-            t.start()
-        time.sleep(1.5 + round_)
-        srv.kill(signal.SIGKILL)  # mid-stream
-        stop.set()
-        for t in threads:
-            t.join()
-    assert len(acked) > 10
-    # the store: intact, every acknowledged write present and whole, nothing half-written
-    conn = sqlite3.connect(data_dir / "gallery.sqlite")
-    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    for label, ids in acked:
-        rows = conn.execute(
-            "SELECT id FROM items WHERE label = ? AND deleted_seq IS NULL ORDER BY id", (label,)
-        ).fetchall()
-        assert [r[0] for r in rows] == ids, label
-    sizes = conn.execute(
-        "SELECT add_seq, COUNT(*) FROM items WHERE source = 'added' GROUP BY add_seq"
-    ).fetchall()
-    assert all(n == 4 for _, n in sizes)  # every write has all four of its items, or none
-    conn.close()
-    # and a restarted server serves exactly what the store holds
-    srv = Server(base_run, data_dir)
-    try:
-        c = httpx.Client(base_url=srv.url, timeout=30)
-        labels = label_counts(c)  # (thousands of labels: every page)
-        for label, ids in acked:
-            assert labels.get(label) == len(ids), label
     finally:
         srv.kill(signal.SIGTERM)

@@ -171,6 +171,7 @@ def test_read_your_writes_and_deletes_across_replicas(backend, base_run, fmnist_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # (SQLite: test_history.py)
 def test_concurrent_writers_leave_identical_replicas_and_a_gap_free_log(
     backend, base_run, fmnist_train
 ):
@@ -218,6 +219,7 @@ def test_concurrent_writers_leave_identical_replicas_and_a_gap_free_log(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # (SQLite: test_history.py)
 def test_kill_9_during_a_stream_of_adds_loses_nothing_acknowledged(backend, base_run, fmnist_train):
     b = backend.start(base_run)  # a front + model process that follows A's writes
     # A, killed and restarted 3 times: one process (its write path is the front's in both
