@@ -139,6 +139,8 @@ def settle(g: Galleries, say: Callable[[str], None]) -> str:
     then put every other registered gallery that is not on standby there (a first run that
     died before flagging its target, or a store written by an older version). The live gen."""
     if CARRIED_TO in g.home.meta():  # a start-up migration sealed it, not yet swapped
+        g.close()  # (the swap waits until no connection has the sealed store open: ours too)
+        g.home.close()
         if g.cls.finish_swap(g.home_target, say):
             say(f"finished the swap of a start-up migration of {g.home_target}")
         g.reopen_home()
