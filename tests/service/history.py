@@ -116,6 +116,7 @@ class Cluster:
         self.lock = threading.Lock()
         self.n = 0
         self.stopped: set[int] = set()  # pids under SIGSTOP
+        self.closed = False  # set by stop_all: servers that start after it are stopped
         self.gens = {name: gen_of_run(run) for name, run in models.items()}
 
     def start(self, model: str, pair: bool, follow: bool = False) -> int:
@@ -124,6 +125,9 @@ class Cluster:
             self.models[model], *extra, env=SERVER_ENV, model_process=pair, wait_for="/healthz"
         )
         with self.lock:
+            if self.closed:  # (a restart that came up after the end: nothing may outlive it)
+                s.kill(signal.SIGKILL)
+                raise RuntimeError("the history is over")
             self.n += 1
             self.servers[self.n] = (model, pair, s)
             return self.n
@@ -193,6 +197,7 @@ class Cluster:
 
     def stop_all(self) -> None:
         with self.lock:
+            self.closed = True
             servers = list(self.servers.values())
         for pid in list(self.stopped):
             with contextlib.suppress(ProcessLookupError):
