@@ -9,7 +9,7 @@ holds every acknowledged add exactly once with its label and none that was delet
 item of a deleted label or a deleted trained image, and ids are unique. The real processes are
 checked by tests/service/test_history.py; this one explores orders fast.
 
-SNCA_CARRY_EXAMPLES (default 12 on SQLite, a third on PostgreSQL) sets the examples;
+SNCA_CARRY_EXAMPLES (default 40 on SQLite, a third on PostgreSQL) sets the examples;
 `make stress` runs more. A failure prints the steps that reproduce it (hypothesis shrinks
 them)."""
 
@@ -51,7 +51,7 @@ from .galleries_fake import (
 )
 from .pg import postgres  # noqa: F401 (fixture)
 
-EXAMPLES = int(os.environ.get("SNCA_CARRY_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("SNCA_CARRY_EXAMPLES", "40"))
 LABELS = ("a", "b", "c", *TRAINED_LABELS)
 
 
