@@ -110,6 +110,7 @@ LONG_FILES = (
     "tests/training/test_train_e2e.py",
     "tests/experiments/test_reproduce.py",
     "tests/service/test_replicas.py",
+    "tests/service/test_history.py",
     "tests/service/test_faults.py",
     "tests/service/test_day_two.py",
     "tests/service/test_integration.py",
