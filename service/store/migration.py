@@ -182,6 +182,14 @@ def exclusive(data: DataDir, waiting: Callable[[str], None] | None = None):
         os.close(fd)  # releases the lock
 
 
+def finish_swap(data: DataDir, waiting: Callable[[str], None] | None = None) -> bool:
+    """A start-up migration sealed the home store but a crash came before its new store was
+    swapped in: swap it now, under the migration lock (the day-two settle calls this); whether
+    it did."""
+    with exclusive(data, waiting):
+        return settle(data, waiting) is not None
+
+
 def settle(data: DataDir, waiting: Callable[[str], None] | None = None) -> Report | None:
     """Under the lock: a store sealed by a migration whose swap did not happen (a crash, or
     processes that kept it open) is swapped for its complete new store now; the Report of that

@@ -291,9 +291,9 @@ class PostgresStore(Store):
             conn.close()
 
     @classmethod
-    def finish_swap(cls, home, waiting=None) -> bool:
-        """SqliteStore.finish_swap: a database is never swapped (nothing to finish)."""
-        return False
+    def swap_dir(cls, home) -> None:
+        """SqliteStore.swap_dir: a database is never swapped by a start-up migration."""
+        return None
 
     @classmethod
     def leftovers(cls, target) -> list[str]:

@@ -37,6 +37,7 @@ from embedding.gallery import (
 )
 from service.store import base, records, sql
 from service.store.base import Store, StoreReader
+from service.store.datadir import DataDir
 from service.store.records import ChangeSet
 
 D = sql.SQLITE
@@ -192,17 +193,11 @@ class SqliteStore(Store):
             out.close()
 
     @classmethod
-    def finish_swap(cls, home, waiting=None) -> bool:
-        """A start-up migration sealed the home store `home` but did not swap its new store in
-        (a crash): swap it now (store/migration.py `settle`, under the data dir's migration
-        lock); whether it did."""
-        from service.store.datadir import DataDir
-        from service.store.migration import exclusive, settle
-
+    def swap_dir(cls, home) -> DataDir | None:
+        """The data dir a start-up migration of the home store `home` swaps its new store into
+        (store/migration.py `finish_swap` finishes one a crash left sealed)."""
         path = Path(home)
-        data = DataDir(path.parent, path)
-        with exclusive(data, waiting):
-            return settle(data, waiting) is not None
+        return DataDir(path.parent, path)
 
     @classmethod
     def leftovers(cls, target) -> list[str]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from embedding.errors import ArtifactError
 from embedding.gallery import STORE_ID, utc_now
+from service.store import migration
 from service.store.base import Store
 from service.store.carry import Carry, Embed, Side, state_key
 from service.store.galleries import (
@@ -141,7 +142,8 @@ def settle(g: Galleries, say: Callable[[str], None]) -> str:
     if CARRIED_TO in g.home.meta():  # a start-up migration sealed it, not yet swapped
         g.close()  # (the swap waits until no connection has the sealed store open: ours too)
         g.home.close()
-        if g.cls.finish_swap(g.home_target, say):
+        data = g.cls.swap_dir(g.home_target)
+        if data is not None and migration.finish_swap(data, say):
             say(f"finished the swap of a start-up migration of {g.home_target}")
         g.reopen_home()
     live, epoch = g.live()
