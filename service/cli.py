@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     from embedding.sysalloc import keep_freed_memory
 
     keep_freed_memory()
-    from service.http.logs import setup_logging
+    from service.logs import setup_logging
 
     setup_logging(settings.log_level)
     host = ServiceHost(settings, model="process" if settings.model_process else "thread")

@@ -186,7 +186,7 @@ class Server:
 
 
 def main() -> int:
-    from service.http.logs import setup_logging
+    from service.logs import setup_logging
     from service.startup import ServiceHost
 
     control = Control(int(os.environ.pop(CONTROL_FD_ENV)))

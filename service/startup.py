@@ -33,7 +33,7 @@ from embedding.world import load as load_world_fit
 from service.config import Settings
 from service.gallery import Gallery, VectorIndex
 from service.gallery.snapshot import load_snapshot
-from service.http.metrics import Metrics
+from service.metrics import Metrics
 from service.model.runtime import ModelRuntime
 from service.state import ServiceState
 from service.store.datadir import STORE_FILE, DataDir
@@ -594,6 +594,9 @@ class ServiceHost:
         self.waiting: str | None = None  # migration: what it waits for (other processes)
         self.error: str | None = None
         self.on_failure: Callable[[], None] | None = None  # snca-serve: stop the server
+        # called with the ServiceState once built, before the host says ready (the app hooks
+        # its parked-request waits to the gallery's versions there: service/http/admission.py)
+        self.on_ready: list[Callable[[ServiceState], None]] = []
         self._thread: threading.Thread | None = None
 
     @property
@@ -632,6 +635,8 @@ class ServiceHost:
                 register_model(self.settings)
             except Exception as e:  # (bookkeeping for rollbacks: never fails a start)
                 log.warning("could not record this model in the galleries' registry: %s", e)
+        for hook in self.on_ready:
+            hook(self.state)
         self.phase = "ready"
         return self.state
 

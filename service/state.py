@@ -21,10 +21,7 @@ from embedding.index import IndexManifest
 from service.config import Settings
 from service.gallery import Gallery
 from service.gallery.snapshot import Snapshotter, write_snapshot
-from service.http.cache import Recent
-from service.http.gate import Gate
-from service.http.metrics import Metrics
-from service.http.waits import VersionWaits
+from service.metrics import Metrics
 from service.model.runtime import ModelRuntime
 from service.store import ChangeSet, Store, StoreCarriedAway, StoreUnavailable
 from service.store.datadir import DataDir
@@ -80,16 +77,6 @@ class ServiceState:
         self._rebuild = rebuild  # () -> (VectorIndex, items, version): the start-up load again
         self._closed = False
         self.started = time.time()
-        self.waits = VersionWaits(
-            settings.max_parked, settings.max_parked_per_client, metrics.parked
-        )
-        # GET /gallery/diagnostics: 0.25-0.4 s of CPU each (a label's sample of <= 200 items),
-        # so a bounded number at once, and the same answer again until the gallery changes
-        self.diagnostics_gate = Gate(
-            "label diagnostics", settings.diagnostics_concurrency, settings.diagnostics_queue
-        )
-        self.diagnostics_cache = Recent(64)
-        gallery.on_version = self.waits.notify
         self.update_gauges()
         self._poll_s = settings.follow_poll_s or store.default_poll_s
         self._follower = threading.Thread(target=self._follow, name="snca-follow", daemon=True)

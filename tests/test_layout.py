@@ -46,7 +46,8 @@ def test_no_stage_imports_a_sibling_and_the_contract_imports_no_stage():
 
 # ------------------------------------------------------------------------------ inside service/
 # service/'s folders say what runs where; each may import only the layers below it. The assembly
-# (cli, config, startup, state, workers) sits at the top level and may import every folder;
+# (cli, config, startup, state, workers, registration, ...) sits at the top level and may import
+# every folder but http/ (test_the_core_knows_nothing_of_http);
 # config (the settings) is imported by the layers that read settings, and imports only store/.
 SERVICE_TOP = {
     "__init__",
@@ -57,14 +58,22 @@ SERVICE_TOP = {
     "state",
     "workers",
     "model_process",
+    "registration",
+    "metrics",
+    "logs",
 }
 SERVICE_LAYERS = {
     "store": set(),  # the system of record: nothing of the service above it
     "gallery": {"store"},  # the in-memory index, vote, open set
-    "model": {"store", "gallery", "config"},  # runtime, embedder, batcher
-    "http": {"store", "gallery", "model", "config", "state", "startup"},  # the app, routes
-    "tools": {"store", "gallery", "model", "http", "config", "state", "startup"},  # CLIs
+    "model": {"store", "gallery", "config", "logs"},  # runtime, embedder, batcher
+    # the app, routes: the service's operations (registration) and what it observes
+    "http": {"store", "gallery", "model", "config", "state", "startup", "registration"}
+    | {"metrics", "logs"},
+    "tools": {"store", "gallery", "model", "config", "state", "startup", "registration"}
+    | {"logs"},  # the CLIs
     "config": {"store"},
+    "metrics": set(),  # what every process counts (prometheus)
+    "logs": set(),  # JSON lines with the request id
 }
 
 
@@ -95,7 +104,7 @@ def test_service_top_level_holds_only_the_assembly():
     top = {p.stem for p in (ROOT / "service").glob("*.py")}
     assert top == SERVICE_TOP, top ^ SERVICE_TOP
     folders = {p.name for p in (ROOT / "service").iterdir() if p.is_dir() and p.name[0] != "_"}
-    assert folders == set(SERVICE_LAYERS) - {"config"}
+    assert folders == set(SERVICE_LAYERS) - {"config", "metrics", "logs"}
 
 
 def test_service_layers_import_only_the_layers_below():
@@ -156,3 +165,35 @@ def _cycles(package: str) -> list[list[str]]:
 def test_no_module_imports_form_a_circle():
     for package in ("training", "service", "embedding", "index_builder"):
         assert not _cycles(package), (package, _cycles(package))
+
+
+# The one door to HTTP: http/ itself, and cli (which builds the app and serves it). Everything
+# else (the assembly included) is the core: it imports nothing of http/, nor the web framework.
+HTTP_DOOR = {"http", "cli", "__main__"}
+WEB = ("fastapi", "starlette", "uvicorn")
+
+
+def test_the_core_knows_nothing_of_http():
+    bad = [
+        f"{mod} imports {imp}"
+        for mod, imports in service_imports().items()
+        if _part(mod) not in HTTP_DOOR
+        for imp in imports
+        if _part(imp) == "http"
+    ]
+    for f in (ROOT / "service").rglob("*.py"):
+        mod = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+        if _part(mod) in HTTP_DOOR:
+            continue
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            bad += [f"{mod} imports {n}" for n in names if n.split(".")[0] in WEB]
+    assert not bad, bad
+    # the check sees imports: the door does import http/ and the web framework
+    assert any(_part(i) == "http" for i in service_imports()["service.cli"])

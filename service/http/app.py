@@ -19,11 +19,13 @@ from starlette.routing import Match
 
 from embedding.errors import SNCAError
 from service.config import Settings
+from service.gallery.labels import LabelInvalid
 from service.http import openapi, problems
+from service.http.admission import Admission
 from service.http.keys import KeyRing
-from service.http.logs import request_id, setup_logging
 from service.http.problems import Problem
 from service.http.routes import classify, gallery, ops, page, search
+from service.logs import request_id, setup_logging
 from service.model.embedder import ImageError
 from service.model.remote import ModelUnavailable
 from service.startup import ServiceHost
@@ -297,6 +299,10 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
         **kw,
     )
     app.state.snca = host
+    app.state.admission = admission = Admission(settings, host.metrics)
+    host.on_ready.append(admission.attach)
+    if host.state is not None:  # (opened and finished before the app: snca-serve)
+        admission.attach(host.state)
     app.state.keys = KeyRing.from_settings(settings)  # (cli checked it before binding the port)
     for r in (classify.router, gallery.router, search.router, ops.router, page.router):
         app.include_router(r)
@@ -311,6 +317,10 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
     async def _not_applied(request: Request, e: WriteNotApplied):
         extra = {"committed": True, "gallery_version": e.seq}
         return problems.response(503, "write_not_applied", str(e), {"Retry-After": "1"}, extra)
+
+    @app.exception_handler(LabelInvalid)
+    async def _label_invalid(request: Request, e: LabelInvalid):
+        return problems.response(422, "label_invalid", str(e))
 
     @app.exception_handler(ImageError)
     async def _image_error(request: Request, e: ImageError):

@@ -189,9 +189,10 @@ async def wait_for_version(request: Request, value: str) -> None:
     s = state.settings
     client = (request.scope.get("client") or ("?",))[0]
     receive = request._receive
-    with state.waits.admitted(client):
+    waits = request.app.state.admission.waits
+    with waits.admitted(client):
         try:
-            reached, body = await state.waits.wait(
+            reached, body = await waits.wait(
                 want, lambda: state.gallery.version, s.min_version_wait_s, receive
             )
         except ClientGone:

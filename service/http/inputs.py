@@ -1,12 +1,11 @@
-"""What a request carries, checked before anything is stored: the multipart form, labels
-(Unicode NFC, printable, bounded) and metadata (JSON the store keeps exactly as sent)."""
+"""What a request carries, checked before anything is stored: the multipart form and metadata
+(JSON the store keeps exactly as sent); labels are checked by service/gallery/labels.py."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-import unicodedata
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -14,13 +13,6 @@ from fastapi.exceptions import RequestValidationError
 from service.http.multipart import Form, FormError, is_multipart, parse_form
 from service.http.problems import Problem
 from service.store.records import Keyed
-
-# A label: a visible character and no control characters (C0, DEL, C1) or line separators.
-# OpenAPI publishes this as the form's `pattern` and the server checks the same expression
-# (re.search, as JSON Schema validators do): the schema is exact.
-_LABEL_CHAR = r"[^\x00-\x1f\x7f-\x9f\u2028\u2029]"
-LABEL_PATTERN = rf"^{_LABEL_CHAR}*[^\s\x00-\x1f\x7f-\x9f\u2028\u2029]{_LABEL_CHAR}*$"
-_LABEL = re.compile(LABEL_PATTERN)
 
 # Metadata nested deeper than this is refused: responses serialise it, and a stored item that
 # cannot be serialised would break every search that returns it.
@@ -66,27 +58,6 @@ def text_field(form: Form, name: str, code: str) -> str | None:
         raise Problem(
             422, code, f"{name} is not valid UTF-8 ({e.reason} at byte {e.start})"
         ) from None
-
-
-def normalize_label(label: str) -> str:
-    """The form every label is stored and looked up in: Unicode NFC ("é" typed as one code
-    point or as e + combining accent is the same label), surrounding whitespace removed."""
-    return unicodedata.normalize("NFC", label).strip()
-
-
-def check_label(label: str, max_len: int) -> str:
-    """A label as sent (limits as OpenAPI states them) -> as stored (normalize_label)."""
-    if len(label) > max_len:
-        raise Problem(
-            422, "label_invalid", f"label is {len(label)} characters; the limit is {max_len}"
-        )
-    if not _LABEL.search(label):
-        raise Problem(
-            422,
-            "label_invalid",
-            "label must have a visible character and no control characters or line breaks",
-        )
-    return normalize_label(label)
 
 
 def _finite(text: str) -> float:

@@ -19,7 +19,7 @@ from http import HTTPStatus
 
 from starlette.responses import JSONResponse
 
-from service.http.logs import request_id
+from service.logs import request_id
 
 PROBLEM_JSON = "application/problem+json"
 

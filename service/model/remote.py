@@ -355,7 +355,7 @@ class RemoteRuntime(Decoding):
             )
             for p in prepared
         ]
-        return [_answer(r) for r in await asyncio.gather(*futs)]
+        return [_answer(r, tpr, self.settings) for r in await asyncio.gather(*futs)]
 
     async def embed(self, p: Prepared) -> np.ndarray:
         return await self._send(["e", next(self._ids), self._version()], _raw(p.pixels))
@@ -426,7 +426,7 @@ def _raw(pixels: np.ndarray) -> memoryview:
     return memoryview(pixels).cast("B")
 
 
-def _answer(r: list) -> Answer:
+def _answer(r: list, tpr: float | None, settings: Settings) -> Answer:
     """A classification as the model process sent it (model_process.classification_row)."""
     label, conf, probs, best, score, label_id, neigh, world, threshold, version = r
     c = Classification(
@@ -439,7 +439,7 @@ def _answer(r: list) -> Answer:
         label_id,
         WorldVerdict(world[0], world[1], world[2], world[3]),
     )
-    return Answer(c, threshold, version)
+    return Answer.judged(c, threshold, version, tpr, settings)
 
 
 def _exit_reason(code: int) -> str:

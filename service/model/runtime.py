@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from starlette.concurrency import run_in_threadpool
+from anyio import to_thread
 from threadpoolctl import ThreadpoolController
 
 from embedding.device import resolve_device
@@ -20,6 +20,7 @@ from embedding.thumbnails import make_thumbnail
 from service.config import Settings
 from service.gallery import Classification, Gallery
 from service.gallery.query import VoteQuery
+from service.gallery.verdict import unknown_reason
 from service.model.batcher import InlineCalls, MicroBatcher
 from service.model.embedder import (
     Embedder,
@@ -83,9 +84,12 @@ class Decoding:
 
     def prepare(self, data: bytes, name: str) -> Prepared:
         """Decode + preprocess one upload (blocking; see `prepare_async`)."""
-        return self._finish(open_image(data, self.settings.max_image_pixels, name), data, name)
+        return self.prepare_image(
+            open_image(data, self.settings.max_image_pixels, name), data, name
+        )
 
-    def _finish(self, img, data: bytes, name: str, thumbnail: bool = False) -> Prepared:
+    def prepare_image(self, img, data: bytes, name: str, thumbnail: bool = False) -> Prepared:
+        """An opened image (embedder.open_image: limits checked) -> what the model takes."""
         img, mime = load_image(img, name, self.embedder.decode_side)
         thumb = make_thumbnail(img, self.settings.thumbnail_side) if thumbnail else None
         return Prepared(self.embedder.pixels(img), data, mime, thumb)
@@ -112,15 +116,17 @@ class Decoding:
             )
         if pixels <= INLINE_PIXELS:
             t = thumbnails
-            return [self._finish(i, d, n, t) for i, d, n in zip(imgs, datas, names, strict=True)]
-        return await run_in_threadpool(self._decode_large, imgs, datas, names, thumbnails)
+            return [
+                self.prepare_image(i, d, n, t) for i, d, n in zip(imgs, datas, names, strict=True)
+            ]
+        return await to_thread.run_sync(self._decode_large, imgs, datas, names, thumbnails)
 
     def _decode_large(self, imgs: list, datas, names, thumbnails: bool) -> list[Prepared]:
         out, decoded = [], 0
         with self._decode_slots:
             try:
                 for i in range(len(imgs)):
-                    out.append(self._finish(imgs[i], datas[i], names[i], thumbnails))
+                    out.append(self.prepare_image(imgs[i], datas[i], names[i], thumbnails))
                     decoded += imgs[i].size[0] * imgs[i].size[1]  # as decoded (JPEG: reduced)
                     imgs[i].close()
                     imgs[i] = None  # its decoded pixels go now, not with the whole request
@@ -141,12 +147,19 @@ class Decoding:
 @dataclass
 class Answer:
     """One classification as the route formats it: the vote's result, the open-set threshold
-    of its label at the request's rate (None: none or unknown=off) and the gallery version the
-    vote read."""
+    of its label at the request's rate (None: none or unknown=off), the gallery version the
+    vote read, and the unknown verdict (service/gallery/verdict.py; None: known)."""
 
     c: Classification
     threshold: float | None
     version: int
+    unknown_reason: str | None = None
+
+    @classmethod
+    def judged(cls, c: Classification, threshold, version: int, tpr, s: Settings) -> Answer:
+        """The answer with its verdict at rate `tpr` (None: unknown=off) under `s`'s floors."""
+        why = unknown_reason(c, threshold, tpr, s.unknown_similarity, s.unknown_probability)
+        return cls(c, threshold, version, why)
 
 
 class ModelRuntime(Decoding):
@@ -341,8 +354,11 @@ class ModelRuntime(Decoding):
         if tpr:  # (no lock on the event loop: the cached thresholds, else from a pool thread)
             thresholds = self.gallery.cached_thresholds(tpr)
             if thresholds is None:
-                thresholds = await run_in_threadpool(self.gallery.thresholds_at, tpr)
-        return [Answer(c, label_threshold(thresholds, c.label_id), version) for c in cs]
+                thresholds = await to_thread.run_sync(self.gallery.thresholds_at, tpr)
+        s = self.settings
+        return [
+            Answer.judged(c, label_threshold(thresholds, c.label_id), version, tpr, s) for c in cs
+        ]
 
     async def embed(self, p: Prepared) -> np.ndarray:
         """The upload's row [vector | world statistics] (Embedder.split takes it apart)."""

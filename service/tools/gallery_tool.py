@@ -43,7 +43,7 @@ from pathlib import Path
 
 from embedding.cliutil import positive_int
 from embedding.errors import SNCAError
-from service.store.records import Keyed, Replayed
+from service.store.records import Keyed
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 EXT = {"image/png": "png", "image/jpeg": "jpg", "image/webp": "webp", "image/gif": "gif"}
@@ -306,9 +306,9 @@ SETTINGS = ("model", "index", "store", "data_dir", "device", "log_level", "thumb
 
 def import_images(args: dict, log=print) -> int:
     from embedding.progress import Progress
-    from service.http.inputs import check_label
-    from service.http.problems import Problem
+    from service.gallery.labels import LabelInvalid, check_label
     from service.model.embedder import ImageError, open_image
+    from service.registration import register_batch
     from service.store import StoreUnavailable
 
     failed: list[str] = []
@@ -322,8 +322,8 @@ def import_images(args: dict, log=print) -> int:
         for e in entries:
             try:
                 todo.append(Entry(e.path, e.key, check_label(e.label, s.max_label_length)))
-            except Problem as p:
-                failed.append(f"{e.key}: label {e.label!r}: {p.detail}")
+            except LabelInvalid as err:
+                failed.append(f"{e.key}: label {e.label!r}: {err}")
         done = imported_keys(state.store)
         log(
             f"snca-gallery: {len(entries)} images in {args['source']}; the gallery has "
@@ -334,7 +334,7 @@ def import_images(args: dict, log=print) -> int:
         with Progress(len(todo), "importing", "img", enabled=args.get("progress", True)) as bar:
             for start in range(0, len(todo), batch):
                 chunk = todo[start : start + batch]
-                ready = []  # (entry, Prepared, metadata)
+                ready = []  # (label, Prepared, metadata)
                 for e in chunk:
                     try:
                         data = read_image_file(e.path, s.max_upload_bytes)
@@ -347,14 +347,14 @@ def import_images(args: dict, log=print) -> int:
                         continue
                     try:  # the service's decoding, limits and preprocessing
                         img = open_image(data, s.max_image_pixels, e.key)
-                        p = state.runtime._finish(img, data, e.key, s.thumbnails)
+                        p = state.runtime.prepare_image(img, data, e.key, s.thumbnails)
                     except ImageError as err:
                         failed.append(f"{e.key}: {err.message}")
                         continue
-                    ready.append((e, p, {"import": {"path": e.key, "sha256": digest}}))
+                    ready.append((e.label, p, {"import": {"path": e.key, "sha256": digest}}))
                     done.add((e.label, digest))  # the same bytes twice in one run: once
                 try:
-                    added += _write(state, ready)
+                    added += register_batch(state, ready, _import_key(s.idempotency_ttl_s))
                 except StoreUnavailable as err:
                     raise SNCAError(
                         f"the gallery store refused the write ({err}); {added} images were "
@@ -376,38 +376,16 @@ def import_images(args: dict, log=print) -> int:
     return 1 if failed else 0
 
 
-def _write(state, ready: list) -> int:
-    """Embed a batch and write it as /gallery/add does: one store transaction per label."""
-    if not ready:
-        return 0
-    s = state.settings
-    emb, stats = state.runtime.embedder.split(
-        state.runtime.embed_pixels([p.pixels for _, p, _ in ready])
-    )  # (n, d), (n, D) or None
-    by_label: dict[str, list[int]] = {}
-    for i, (e, _, _) in enumerate(ready):
-        by_label.setdefault(e.label, []).append(i)
-    for label, rows in by_label.items():
-        ps = [ready[i][1] for i in rows]
-        stored = [
-            (p.data, p.mime) if s.store_images and len(p.data) <= s.max_stored_image_bytes else None
-            for p in ps
-        ]
-        # one Idempotency-Key per batch and label, from the images' digests: a rerun that
-        # forms the same batch is answered by the first write, never writes it twice
-        ident = json.dumps([label, [ready[i][2] for i in rows]], sort_keys=True)
+def _import_key(ttl_s: float):
+    """One Idempotency-Key per batch and label, from the images' digests: a rerun that forms
+    the same batch is answered by the first write, never writes it twice."""
+
+    def key_of(label: str, metadata: list) -> Keyed:
+        ident = json.dumps([label, metadata], sort_keys=True)
         key = "import-" + hashlib.sha256(ident.encode()).hexdigest()[:40]
-        with contextlib.suppress(Replayed):
-            state.add(
-                label,
-                emb[rows],
-                [ready[i][2] for i in rows],
-                stored,
-                [p.thumbnail for p in ps],
-                None if stats is None else stats[rows],
-                Keyed(key, key, s.idempotency_ttl_s),
-            )
-    return len(ready)
+        return Keyed(key, key, ttl_s)
+
+    return key_of
 
 
 def imported_keys(store) -> set[tuple[str, str]]:
@@ -572,7 +550,7 @@ def _folder(label: str, taken: set[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     try:
-        from service.http.logs import setup_logging
+        from service.logs import setup_logging
 
         setup_logging(args.get("log_level", "warning"))
         if args["cmd"] == "import":

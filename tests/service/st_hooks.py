@@ -29,7 +29,7 @@ import re
 
 import schemathesis
 
-from service.http.inputs import LABEL_PATTERN
+from service.gallery.labels import LABEL_PATTERN
 
 # Answers to a schema-valid X-Min-Gallery-Version that depend on the store's state, not on
 # the request's shape (documented in the OpenAPI document and tested in test_replicas.py).

@@ -14,7 +14,7 @@ import pytest
 from embedding.rundir import RunDir
 from index_builder.build import BuildConfig, build
 from service.config import Settings
-from service.http.metrics import Metrics
+from service.metrics import Metrics
 from service.startup import open_service
 from service.store import migration
 from service.store.datadir import DataDir

@@ -11,9 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from embedding.votes import VOTES
+from service.gallery.labels import normalize_label
 from service.gallery.query import VoteQuery
 from service.http.deps import GuardedRoute, access, ready_state
-from service.http.inputs import missing, normalize_label, read_form
+from service.http.inputs import missing, read_form
 from service.http.problems import Problem
 from service.http.schemas import BatchResult, ClassifyResult, ErrorBody
 from service.model.runtime import Answer
@@ -169,23 +170,9 @@ def result(
     """A ClassifyResult as a plain dict: routes return it in a JSONResponse, skipping FastAPI's
     validate-and-serialise pass (a quarter of the per-request CPU for 28x28 images). The
     route tests check every response against the ClassifyResult schema. `a.threshold`: the
-    label's open-set threshold at acceptance `tpr` (None: unknown=off, or none)."""
-    s, c, threshold = state.settings, a.c, a.threshold
-    reason = None
-    if tpr is not None:
-        if c.label is not None and not c.world.ok:
-            reason = "outside_world"  # not the kind of image the chosen label holds
-        elif (
-            c.label is None
-            or c.best_similarity < s.unknown_similarity
-            or c.confidence < s.unknown_probability
-            or (
-                threshold is not None
-                and c.unknown_score is not None
-                and c.unknown_score < threshold
-            )
-        ):
-            reason = "no_label_accepts"
+    label's open-set threshold at acceptance `tpr` (None: unknown=off, or none); `a.unknown_reason`
+    the verdict (service/gallery/verdict.py)."""
+    c, threshold, reason = a.c, a.threshold, a.unknown_reason
     w = c.world
     r = {
         "label": c.label,

@@ -3,25 +3,21 @@ its thumbnail; DELETE a label or an item."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import asdict
 from typing import Annotated
 
-import numpy as np
 from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from embedding.thumbnails import thumbnail_mime
+from service.gallery.labels import LABEL_PATTERN, check_label, normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
 from service.http.inputs import (
     IDEMPOTENCY_HEADER,
     IDEMPOTENCY_PARAMETER,
-    LABEL_PATTERN,
-    check_label,
     idempotency_key,
     missing,
-    normalize_label,
     parse_metadata,
     read_form,
     text_field,
@@ -38,6 +34,7 @@ from service.http.schemas import (
     LabelInfo,
     LabelsResult,
 )
+from service.registration import register
 from service.store import ItemRow
 from service.store.records import Keyed, Replayed
 
@@ -160,18 +157,11 @@ async def add(request: Request, state: StateDep):
     prepared = await state.runtime.prepare_async(
         datas, [f"images[{i}]" for i in range(len(datas))], thumbnails=s.thumbnails
     )
-    rows = np.stack(await asyncio.gather(*[state.runtime.embed(p) for p in prepared]))
-    emb, stats = state.runtime.embedder.split(rows)  # (n, d), (n, D) world statistics or None
-    stored = [
-        (p.data, p.mime) if s.store_images and len(p.data) <= s.max_stored_image_bytes else None
-        for p in prepared
-    ]
-    thumbs = [p.thumbnail for p in prepared]
     try:
-        ids, seq = await run_in_threadpool(state.add, label, emb, md, stored, thumbs, stats, keyed)
+        added = await register(state, label, prepared, md, keyed)
     except Replayed as e:  # its first attempt committed meanwhile (a concurrent retry)
         return await _added_before(state, keyed, keyed.digest if e.same else "", e.seq, e.outcome)
-    await state.runtime.sync(seq)  # acknowledged once the model votes with them
+    ids, seq, emb, stats = added.ids, added.seq, added.embeddings, added.stats
     diag = await run_in_threadpool(
         state.gallery.diagnose, label, s.vote, s.k, s.unknown_tpr, ids, emb, stats
     )
@@ -257,22 +247,24 @@ async def labels(
     openapi_extra=access("read"),
 )
 async def label_diagnostics(
+    request: Request,
     state: StateDep,
     label: Annotated[str, Query(min_length=1, max_length=1000, description="label name")],
 ):
     s = state.settings
     name = normalize_label(label)
     key = (name, state.gallery.version)  # the same answer until the gallery changes
-    out = state.diagnostics_cache.get(key)
+    admission = request.app.state.admission
+    out = admission.diagnostics_cache.get(key)
     if out is None:
-        async with state.diagnostics_gate.enter():  # (429 too_busy beyond its bound)
-            out = state.diagnostics_cache.get(key)
+        async with admission.diagnostics_gate.enter():  # (429 too_busy beyond its bound)
+            out = admission.diagnostics_cache.get(key)
             if out is None:
                 diag = await run_in_threadpool(
                     state.gallery.diagnose, name, s.vote, s.k, s.unknown_tpr
                 )
                 out = None if diag is None else LabelDiagnostics.model_validate(asdict(diag))
-                state.diagnostics_cache.put(key, out)
+                admission.diagnostics_cache.put(key, out)
     if out is None:
         raise Problem(404, "label_unknown", f"no live items with label {name!r}")
     return out

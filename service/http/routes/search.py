@@ -8,8 +8,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from service.gallery.labels import normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
-from service.http.inputs import normalize_label
 from service.http.routes.classify import ERRORS, check_labels, read_uploads, thumbnail_url
 from service.http.schemas import SearchResult
 
