@@ -58,7 +58,7 @@ def timed(fn, key):
         rec[key].append((time.perf_counter() - t0, time.thread_time() - c0, len(arg)))
         return out
     return wrapper
-runtime.ModelRuntime._run_batch = timed(runtime.ModelRuntime._run_batch, "batch")
+runtime.ModelRuntime.run_batch = timed(runtime.ModelRuntime.run_batch, "batch")
 embedder.Embedder.forward = timed(embedder.Embedder.forward, "forward")
 gallery.Gallery.answer = timed(gallery.Gallery.answer, "vote")
 real_create = app_mod.create_app

@@ -31,14 +31,14 @@ from service_load import RUNS, latency_ratio, print_rows, query_png, serve, star
 STUB = """
 import sys, time
 from service.model import runtime
-real = runtime.ModelRuntime._run_batch
+real = runtime.ModelRuntime.run_batch
 answer = []
 def run_batch(self, jobs):
     if not answer:
         answer.append(real(self, jobs[:1])[0])
     time.sleep(({batch_ms} + {per_image_ms} * len(jobs)) / 1000)  # no GIL, no CPU
     return answer * len(jobs)
-runtime.ModelRuntime._run_batch = run_batch
+runtime.ModelRuntime.run_batch = run_batch
 from service.cli import main
 sys.argv = ["snca-serve"] + sys.argv[1:]
 sys.exit(main())

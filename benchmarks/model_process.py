@@ -12,7 +12,7 @@ waiting to take the GIL back from the event loop (benchmarks/batch_trace.py,
 docs/PERFORMANCE.md). Here the event loop writes each classify job (id, pixels) to a pipe; a
 worker process with its own copy of the model and gallery (a second ServiceState on the same
 run, with a store of its own: the benchmark adds nothing to either) reads whatever is queued as
-one batch, runs the service's own `_run_batch`, and writes the results back as JSON; the loop
+one batch, runs the service's own `run_batch`, and writes the results back as JSON; the loop
 reads them in a reader callback. No second Python thread shares the loop's GIL.
 
 What the prototype leaves out, so it is not the service: gallery writes do not reach the
@@ -128,7 +128,7 @@ while data := os.read(jobs_r, 1 << 20):  # everything queued is one batch
         ids.append(i)
         del buf[:HEAD.size + n]
     for s in range(0, len(jobs), 64):
-        res = st._run_batch(jobs[s:s + 64])
+        res = st.run_batch(jobs[s:s + 64])
         out = json.dumps(
             [[i, [r.label, r.confidence, r.probabilities, r.best_similarity, r.unknown_score,
                   r.label_id]]

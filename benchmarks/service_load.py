@@ -493,7 +493,7 @@ async def _http_breakdown(host, png: bytes, n: int = 2000) -> dict:
     app = create_app(host=host)
     rt = host.state.runtime
     (p,) = await rt.prepare_async([png], ["image"])
-    answer = rt._run_batch([Job("classify", p.pixels, VoteQuery("kde", 30))])[0]
+    answer = rt.run_batch([Job("classify", p.pixels, VoteQuery("kde", 30))])[0]
 
     async def classify(*_a, **_k):
         return answer

@@ -5,7 +5,7 @@ environment.
 It opens the model and the gallery exactly as a serving process does (ServiceHost: the
 migration to a new model runs here, with the model), then serves jobs from the front on its
 main thread: everything queued (up to SNCA_MAX_BATCH) is one batch, one forward pass, then the
-votes (service/model/runtime.py `_run_batch`). Torch threads are set on this thread, which runs
+votes (service/model/runtime.py `run_batch`). Torch threads are set on this thread, which runs
 every forward. The gallery is a replica that follows the store's log (its follower thread,
 service/state.py) and applies it up to a job's `min_version` before voting.
 
@@ -25,10 +25,9 @@ from dataclasses import asdict
 
 from embedding.errors import SNCAError
 from service.config import Settings
-from service.gallery.query import VoteQuery
 from service.model.remote import CONTROL_FD_ENV, DATA_FD_ENV, SETTINGS_ENV
-from service.model.runtime import Job, label_threshold
-from service.model.wire import FrameReader, frame
+from service.model.runtime import label_threshold
+from service.model.wire import Batch, Failed, FrameReader, Synced, frame
 from service.store import StoreUnavailable
 
 PROGRESS_EVERY_S = 0.5
@@ -66,21 +65,36 @@ def watch_parent() -> None:
     threading.Thread(target=watch, name="watch-front", daemon=True).start()
 
 
-def classification_row(c, threshold, version: int) -> list:
-    """What remote._answer reads back."""
-    w = c.world
-    return [
-        c.label,
-        c.confidence,
-        c.probabilities,
-        c.best_similarity,
-        c.unknown_score,
-        c.label_id,
-        c.neighbors,
-        [w.score, w.threshold, w.ok, w.basis],
-        threshold,
-        version,
-    ]
+class BatchContext:
+    """What a batch's results share: the embedding rows of its payload, each open-set rate's
+    thresholds (looked up once per batch), the gallery version the votes read."""
+
+    def __init__(self, gallery):
+        self.gallery = gallery
+        self.version = gallery.version
+        self.rows: list = []
+        self._floats = 0
+        self._thresholds: dict = {}
+
+    def add_row(self, row) -> int:
+        """A row into the payload; its offset in floats."""
+        at = self._floats
+        self.rows.append(row)
+        self._floats += len(row)
+        return at
+
+    def threshold(self, tpr: float | None, label_id: int) -> float | None:
+        if not tpr:
+            return None
+        if tpr not in self._thresholds:
+            cached = self.gallery.cached_thresholds(tpr)
+            self._thresholds[tpr] = (
+                cached if cached is not None else self.gallery.thresholds_at(tpr)
+            )
+        return label_threshold(self._thresholds[tpr], label_id)
+
+    def payload(self) -> bytes:
+        return b"".join(r.astype("<f4", copy=False).tobytes() for r in self.rows)
 
 
 class Server:
@@ -129,55 +143,38 @@ class Server:
     def answer(self, batch: list) -> bytes:
         """One frame with the batch's results."""
         g, st = self.state.gallery, self.state
-        need = max(h[2] for h, _, _ in batch)  # min_version (jobs) or seq (syncs)
+        need = max(j.min_version for j, _, _ in batch)  # jobs: the front's version; syncs: seq
         caught_up = True
         if need > g.version:
             try:
                 st.catch_up()
             except (StoreUnavailable, SNCAError):
                 caught_up = False
-        out, rows, model = [], [], []
-        for h, p, _ in batch:
-            if h[2] > g.version and not caught_up:
+        out, model = [], []
+        for j, p, _ in batch:
+            if j.min_version > g.version and not caught_up:
                 why = "the model process cannot read the gallery store to apply the latest writes"
-                out.append([h[1], "x", [503, why]])
-            elif h[0] == "s":
-                out.append([h[1], "s", g.version])
+                out.append(Failed(j.id, 503, why))
+                continue
+            job = j.model_job(None if not p else self._pixels(p))
+            if job is None:  # a sync (or a ping): the version it reached
+                out.append(Synced(j.id, g.version))
             else:
-                model.append((h, p))
+                model.append((j, job))
+        ctx = BatchContext(g)
         if model:
-            jobs = [
-                Job("classify", px, VoteQuery(h[3], h[4], tuple(h[5]) if h[5] else None, h[6]))
-                if h[0] == "c"
-                else Job("embed", px)
-                for h, px in ((h, self._pixels(p)) for h, p in model)
-            ]
             try:
-                results = self.rt._run_batch(jobs)
+                results = self.rt.run_batch([job for _, job in model])
             except Exception as e:  # the batch failed as a whole: each job says why
-                results = [e] * len(jobs)
-            version = g.version
-            thresholds: dict = {}
-            at = 0
-            for (h, _), r in zip(model, results, strict=True):
-                if isinstance(r, Exception):
-                    out.append([h[1], "x", [500, f"{type(r).__name__}: {r}"]])
-                elif h[0] == "e":
-                    rows.append(r)
-                    out.append([h[1], "e", [at, len(r)]])
-                    at += len(r)
+                results = [e] * len(model)
+            ctx.version = g.version
+            for (j, _), r in zip(model, results, strict=True):
+                if isinstance(r, Exception):  # (run_batch's way of failing one job)
+                    out.append(Failed(j.id, 500, f"{type(r).__name__}: {r}"))
                 else:
-                    tpr = h[7]
-                    t = None
-                    if tpr:
-                        if tpr not in thresholds:
-                            cached = g.cached_thresholds(tpr)
-                            thresholds[tpr] = cached if cached is not None else g.thresholds_at(tpr)
-                        t = label_threshold(thresholds[tpr], r.label_id)
-                    out.append([h[1], "c", classification_row(r, t, version)])
+                    out.append(j.result(r, ctx))
         waited = time.perf_counter() - batch[0][2]
-        payload = b"".join(r.astype("<f4", copy=False).tobytes() for r in rows)
-        return frame(["b", len(model), waited, out], payload)
+        return frame(Batch(len(model), waited, out), ctx.payload())
 
     def _pixels(self, payload: bytes):
         import numpy as np

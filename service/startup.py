@@ -34,7 +34,7 @@ from service.config import Settings
 from service.gallery import Gallery, VectorIndex
 from service.gallery.snapshot import load_snapshot
 from service.metrics import Metrics
-from service.model.runtime import ModelRuntime
+from service.model.runtime import ModelRuntime, Runtime
 from service.state import ServiceState
 from service.store.datadir import STORE_FILE, DataDir
 from service.store.migration import Migration, Plan, Report, Target, exclusive, plan, settle
@@ -49,7 +49,7 @@ class Opening:
     """What `open` found: the model running, its index, the data dir, and the migration its
     store needs first (None: none)."""
 
-    runtime: ModelRuntime
+    runtime: Runtime  # ModelRuntime, or RemoteRuntime (the model in its own process)
     index: IndexDir
     fingerprint: str
     temperature: float

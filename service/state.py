@@ -22,7 +22,7 @@ from service.config import Settings
 from service.gallery import Gallery
 from service.gallery.snapshot import Snapshotter, write_snapshot
 from service.metrics import Metrics
-from service.model.runtime import ModelRuntime
+from service.model.runtime import Runtime
 from service.store import ChangeSet, Store, StoreCarriedAway, StoreUnavailable
 from service.store.datadir import DataDir
 from service.store.migration import Report
@@ -43,7 +43,7 @@ class ServiceState:
         self,
         settings: Settings,
         metrics: Metrics,
-        runtime: ModelRuntime,
+        runtime: Runtime,
         store: Store,
         gallery: Gallery,
         data: DataDir,

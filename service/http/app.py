@@ -27,7 +27,7 @@ from service.http.problems import Problem
 from service.http.routes import classify, gallery, ops, page, search
 from service.logs import request_id, setup_logging
 from service.model.embedder import ImageError
-from service.model.remote import ModelUnavailable
+from service.model.wire import ModelUnavailable
 from service.startup import ServiceHost
 from service.store import StoreUnavailable
 from service.store.records import WriteNotApplied

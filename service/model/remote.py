@@ -43,8 +43,17 @@ from service.gallery import Classification
 from service.gallery.query import VoteQuery
 from service.gallery.world import WorldVerdict
 from service.model.embedder import Preprocessing
-from service.model.runtime import Answer, Decoding, ModelInfo, Prepared
-from service.model.wire import FrameReader, frame
+from service.model.runtime import Answer, ModelInfo, Prepared, Runtime
+from service.model.wire import (
+    Batch,
+    ClassifyAnswer,
+    ClassifyJob,
+    EmbedJob,
+    FrameReader,
+    ModelUnavailable,
+    SyncJob,
+    frame,
+)
 from service.store.migration import Report
 from service.store.records import WriteNotApplied
 
@@ -59,12 +68,8 @@ PING_S = 1.0  # an idle model process is asked for its version this often (a pin
 SOCKET_BUFFER = 4 << 20
 
 
-class ModelUnavailable(Exception):
-    """The model process is down or restarting: the request is answered 503 + Retry-After."""
-
-
-class RemoteRuntime(Decoding):
-    """ModelRuntime's interface, with the model in a process of its own."""
+class RemoteRuntime(Runtime):
+    """The Runtime with the model in a process of its own."""
 
     def __init__(self, settings: Settings, on_batch: Callable[[int, float], None] | None = None):
         """Start the model process and wait until it has opened the model and the index
@@ -255,7 +260,7 @@ class RemoteRuntime(Decoding):
             if not self._sent and now - last_ping >= PING_S:
                 last_ping = now
                 with contextlib.suppress(ModelUnavailable):
-                    fut = self._send(["s", next(self._ids), 0])
+                    fut = self._send(SyncJob(next(self._ids), 0))
                     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _lost(self, transport, why: str) -> None:
@@ -332,13 +337,14 @@ class RemoteRuntime(Decoding):
         """The front's replica: each job asks the model process for at least its version."""
         self.gallery = gallery
 
-    def _send(self, header: list, payload: bytes = b"") -> asyncio.Future:
+    def _send(self, job, payload: bytes = b"") -> asyncio.Future:
+        """Send a job record (service/model/wire.py); the future of its result's value."""
         if self._transport is None or self._down is not None:
             raise ModelUnavailable(self._down or "the model process is not connected")
         fut = self._loop.create_future()
-        self._futures[header[1]] = fut
-        self._sent[header[1]] = time.monotonic()
-        self._transport.write(frame(header, payload))
+        self._futures[job.id] = fut
+        self._sent[job.id] = time.monotonic()
+        self._transport.write(frame(job, payload))
         return fut
 
     def _version(self) -> int:
@@ -347,10 +353,11 @@ class RemoteRuntime(Decoding):
     async def answers(
         self, prepared: list[Prepared], query: VoteQuery, tpr: float | None
     ) -> list[Answer]:
-        v = self._version()
+        v, q = self._version(), query
+        labels = None if q.labels is None else list(q.labels)
         futs = [
             self._send(
-                ["c", next(self._ids), v, query.vote, query.k, query.labels, query.neighbors, tpr],
+                ClassifyJob(next(self._ids), v, q.vote, q.k, labels, q.neighbors, tpr),
                 _raw(p.pixels),
             )
             for p in prepared
@@ -358,7 +365,7 @@ class RemoteRuntime(Decoding):
         return [_answer(r, tpr, self.settings) for r in await asyncio.gather(*futs)]
 
     async def embed(self, p: Prepared) -> np.ndarray:
-        return await self._send(["e", next(self._ids), self._version()], _raw(p.pixels))
+        return await self._send(EmbedJob(next(self._ids), self._version()), _raw(p.pixels))
 
     async def sync(self, seq: int) -> int:
         """Return once the model process has applied the write `seq` (the answer to the write
@@ -367,7 +374,8 @@ class RemoteRuntime(Decoding):
         otherwise: WriteNotApplied (the write is committed; the answer says so)."""
         try:
             return await asyncio.wait_for(
-                asyncio.shield(self._send(["s", next(self._ids), seq])), self.timeout + 2 * WATCH_S
+                asyncio.shield(self._send(SyncJob(next(self._ids), seq))),
+                self.timeout + 2 * WATCH_S,
             )
         except ModelUnavailable:
             return seq
@@ -376,26 +384,20 @@ class RemoteRuntime(Decoding):
             why = f"the model process did not apply it within {self.timeout:g} s"
             raise WriteNotApplied(seq, why) from None
 
-    def _results(self, header: list, payload: bytes) -> None:
+    def _results(self, batch: Batch, payload: bytes) -> None:
         """On the event loop: one batch's results."""
-        _, size, waited, results = header
-        if self.on_batch is not None and size:
+        if self.on_batch is not None and batch.size:
             with contextlib.suppress(Exception):
-                self.on_batch(size, waited)
-        for job, kind, data in results:
-            self._sent.pop(job, None)
-            fut = self._futures.pop(job, None)
+                self.on_batch(batch.size, batch.waited)
+        for r in batch.results:
+            self._sent.pop(r.id, None)
+            fut = self._futures.pop(r.id, None)
             if fut is None or fut.done():  # the client went away
                 continue
-            if kind == "x":
-                status, why = data
-                err = ModelUnavailable(why) if status == 503 else RuntimeError(why)
-                fut.set_exception(err)
-            elif kind == "e":
-                at, n = data
-                fut.set_result(np.frombuffer(payload, np.float32, n, at * 4).copy())
-            else:
-                fut.set_result(data)
+            try:
+                fut.set_result(r.value(payload))
+            except Exception as e:  # (a Failed job's error)
+                fut.set_exception(e)
 
 
 class _Results(asyncio.Protocol):
@@ -426,20 +428,20 @@ def _raw(pixels: np.ndarray) -> memoryview:
     return memoryview(pixels).cast("B")
 
 
-def _answer(r: list, tpr: float | None, settings: Settings) -> Answer:
-    """A classification as the model process sent it (model_process.classification_row)."""
-    label, conf, probs, best, score, label_id, neigh, world, threshold, version = r
+def _answer(r: ClassifyAnswer, tpr: float | None, settings: Settings) -> Answer:
+    """A classification as the model process sent it (wire.ClassifyAnswer)."""
+    w = r.world
     c = Classification(
-        label,
-        conf,
-        [tuple(p) for p in probs],
-        best,
-        [tuple(n) for n in neigh],
-        score,
-        label_id,
-        WorldVerdict(world[0], world[1], world[2], world[3]),
+        r.label,
+        r.confidence,
+        [tuple(p) for p in r.probabilities],
+        r.best_similarity,
+        [tuple(n) for n in r.neighbors],
+        r.unknown_score,
+        r.label_id,
+        WorldVerdict(w["score"], w["threshold"], w["ok"], w["basis"]),
     )
-    return Answer.judged(c, threshold, version, tpr, settings)
+    return Answer.judged(c, r.threshold, r.version, tpr, settings)
 
 
 def _exit_reason(code: int) -> str:

@@ -7,6 +7,7 @@ import asyncio
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,11 +70,13 @@ class ModelInfo:
     warmed_sizes: int  # batch sizes 1..this were run once at start (SNCA_WARMUP_SECONDS)
 
 
-class Decoding:
-    """Uploads into model input (uint8 pixels at the model's size), on the process that runs
-    the event loop: the model's own process serving alone, or the front of a worker whose
-    model runs in a process of its own (service/model/remote.py). Needs `settings` and
-    `embedder` (a Preprocessing)."""
+class Runtime(ABC):
+    """What the service asks of its model, implemented twice: `ModelRuntime` (the model in this
+    process: a model thread) and `RemoteRuntime` (service/model/remote.py: the model in a
+    process of its own, over service/model/wire.py). ServiceState, start-up and the routes
+    know only this. Uploads are decoded into model input (uint8 pixels at the model's size)
+    here, on the process that runs the event loop; needs `settings` and `embedder` (a
+    Preprocessing)."""
 
     settings: Settings
     embedder: Preprocessing
@@ -143,6 +146,53 @@ class Decoding:
                     release_free_memory()
         return out
 
+    # ------------------------------------------------------------ what each implements
+    @abstractmethod
+    def wait_ready(self, progress=None, waiting=None) -> None:
+        """Block until the model can answer (progress(done, total), waiting(why): start-up)."""
+
+    @abstractmethod
+    def serve(self, gallery: Gallery, vote: str | None = None, k: int | None = None) -> None:
+        """Vote over `gallery` from now on (with the default vote and k to warm up)."""
+
+    @abstractmethod
+    def start(self) -> None:
+        """Begin answering on the running event loop."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Finish the batches in flight."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the model (threads, process)."""
+
+    @abstractmethod
+    def problem(self) -> str | None:
+        """Why the model cannot answer now (/readyz), or None."""
+
+    @abstractmethod
+    def migration_report(self):
+        """What a start-up carry in the model's process reported (None: none there)."""
+
+    @abstractmethod
+    def pid(self) -> int | None:
+        """The process that runs the model."""
+
+    @abstractmethod
+    async def answers(
+        self, prepared: list[Prepared], query: VoteQuery, tpr: float | None
+    ) -> list[Answer]:
+        """Classify uploads: one Answer each, in order, judged at rate `tpr`."""
+
+    @abstractmethod
+    async def embed(self, p: Prepared) -> np.ndarray:
+        """The upload's row [vector | world statistics] (Embedder.split takes it apart)."""
+
+    @abstractmethod
+    async def sync(self, seq: int) -> int:
+        """Return once write `seq` is applied where the model votes (the version reached)."""
+
 
 @dataclass
 class Answer:
@@ -162,7 +212,7 @@ class Answer:
         return cls(c, threshold, version, why)
 
 
-class ModelRuntime(Decoding):
+class ModelRuntime(Runtime):
     """One per process: the model thread runs every forward pass (and the warm-up)."""
 
     def __init__(self, settings: Settings, embedder: Embedder, on_batch=None, inline: bool = False):
@@ -178,7 +228,7 @@ class ModelRuntime(Decoding):
             self.batcher = InlineCalls()
         else:
             self.batcher = MicroBatcher(
-                self._run_batch, settings.max_batch, settings.max_wait_ms, on_batch
+                self.run_batch, settings.max_batch, settings.max_wait_ms, on_batch
             )
         self.info: ModelInfo = self.batcher.call(self._prepare_model)
 
@@ -306,7 +356,7 @@ class ModelRuntime(Decoding):
         return np.concatenate(out) if out else np.zeros((0, d), np.float32)
 
     # ------------------------------------------------------------------ batches
-    def _run_batch(self, jobs: list[Job]) -> list:
+    def run_batch(self, jobs: list[Job]) -> list:
         """In the model thread: one forward for the whole batch, then classification of the
         classify jobs grouped by their parameters (one matmul / search per group)."""
         # Under load every call that releases the GIL waits for the event loop to give it

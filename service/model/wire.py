@@ -2,16 +2,15 @@
 service/model_process.py), over one Unix stream socket.
 
 A frame is two lengths, a JSON header and a binary payload: images cross as their raw uint8
-pixels and embeddings as raw float32 rows, never pickled; everything else (the vote's
-parameters, the answers) is a few hundred bytes of JSON.
+pixels and embeddings as raw float32 rows, never pickled; everything else is a named record
+below (a dataclass, sent as a JSON object with its `type` and its fields by name), a few hundred
+bytes. A new answer field is one dataclass field here and where it is made and read.
 
-    front -> model   ["c", id, min_version, vote, k, labels|null, neighbors, tpr|null] + pixels
-                     ["e", id, min_version] + pixels                (an embedding: adds, search)
-                     ["s", id, seq]                                 (apply the log up to seq)
-    model -> front   ["b", size, queue wait s, [[id, kind, data], ...]] + float32 rows
-                     one frame per batch; kind "c" (a classification), "e" (data: the row's
-                     offset and length in floats in the payload), "s" (data: the version),
-                     "x" (data: [status, why]: this job failed)
+    front -> model   ClassifyJob + pixels, EmbedJob + pixels (an embedding: adds, search),
+                     SyncJob (apply the log up to seq; seq 0: a ping)
+    model -> front   Batch + float32 rows: one frame per batch, a result per job:
+                     ClassifyAnswer, Embedded (its row's offset and length in floats in the
+                     payload), Synced (the version), Failed (a status and why)
 
 `min_version`: the front's own gallery version when it sent the job; the model process applies
 the log up to it before voting, so an answer never reads an older gallery than the front had
@@ -22,6 +21,12 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from service.gallery.query import VoteQuery
+from service.model.runtime import Job
 
 HEAD = struct.Struct("<II")  # header bytes, payload bytes
 # a frame's header is small; a payload is a batch's pixels or rows (64 x 224 x 224 x 3 = 9.6 MB)
@@ -31,13 +36,14 @@ MAX_PAYLOAD = 1 << 30
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
-def frame(header, payload=b"") -> bytes:
-    h = _dumps(header).encode()
+def frame(record, payload=b"") -> bytes:
+    """A record (below) and its payload as one frame."""
+    h = _dumps(encode(record)).encode()
     return b"".join((HEAD.pack(len(h), len(payload)), h, payload))
 
 
 class FrameReader:
-    """Bytes as they arrive -> whole frames (header, payload bytes)."""
+    """Bytes as they arrive -> whole frames (record, payload bytes); ValueError: corrupt."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
@@ -54,8 +60,164 @@ class FrameReader:
             if len(buf) < end:
                 break
             h0 = at + HEAD.size
-            out.append((json.loads(buf[h0 : h0 + nh]), bytes(buf[h0 + nh : end])))
+            out.append((decode(json.loads(buf[h0 : h0 + nh])), bytes(buf[h0 + nh : end])))
             at = end
         if at:
             del buf[:at]
         return out
+
+
+# ---------------------------------------------------------------------------- the records
+class ModelUnavailable(Exception):
+    """The model process is down, restarting or cannot serve now: the request is answered 503
+    `model_unavailable` + Retry-After."""
+
+
+# Jobs (front -> model). `model_job(pixels)`: what the model thread runs (None: nothing, the
+# answer is the gallery's version); `result(out, ctx)`: the model thread's output -> the record
+# sent back (ctx: the batch's payload rows, thresholds and version: model_process.Server).
+@dataclass(slots=True)
+class ClassifyJob:
+    id: int
+    min_version: int
+    vote: str
+    k: int
+    labels: list[str] | None  # the label filter (None: every label)
+    neighbors: bool
+    tpr: float | None  # the open-set acceptance rate (None: unknown=off)
+
+    def model_job(self, pixels):
+        labels = tuple(self.labels) if self.labels else None
+        return Job("classify", pixels, VoteQuery(self.vote, self.k, labels, self.neighbors))
+
+    def result(self, c, ctx) -> ClassifyAnswer:
+        return ClassifyAnswer.of(self.id, c, ctx.threshold(self.tpr, c.label_id), ctx.version)
+
+
+@dataclass(slots=True)
+class EmbedJob:
+    id: int
+    min_version: int
+
+    def model_job(self, pixels):
+        return Job("embed", pixels)
+
+    def result(self, row, ctx) -> Embedded:
+        offset = ctx.add_row(row)
+        return Embedded(self.id, offset, len(row))
+
+
+@dataclass(slots=True)
+class SyncJob:
+    id: int
+    seq: int  # apply the log up to this write (0: a ping)
+
+    @property
+    def min_version(self) -> int:
+        return self.seq
+
+    def model_job(self, pixels) -> None:
+        return None
+
+
+# Results (model -> front). `value(payload)`: what the front's waiting job gets (or raises).
+@dataclass(slots=True)
+class ClassifyAnswer:
+    """A Classification (service/gallery/gallery.py), its label's open-set threshold at the
+    job's rate, and the gallery version the vote read."""
+
+    id: int
+    label: str | None
+    confidence: float
+    probabilities: list  # [[label, probability], ...]
+    best_similarity: float
+    unknown_score: float | None
+    label_id: int
+    neighbors: list  # [[id, label, similarity], ...]
+    world: dict  # WorldVerdict's fields by name
+    threshold: float | None
+    version: int
+
+    @classmethod
+    def of(cls, job_id: int, c, threshold: float | None, version: int) -> ClassifyAnswer:
+        w = c.world
+        world = {"score": w.score, "threshold": w.threshold, "ok": w.ok, "basis": w.basis}
+        return cls(
+            job_id,
+            c.label,
+            c.confidence,
+            c.probabilities,
+            c.best_similarity,
+            c.unknown_score,
+            c.label_id,
+            c.neighbors,
+            world,
+            threshold,
+            version,
+        )
+
+    def value(self, payload: bytes) -> ClassifyAnswer:
+        return self
+
+
+@dataclass(slots=True)
+class Embedded:
+    id: int
+    offset: int  # in floats, in the batch's payload
+    length: int
+
+    def value(self, payload: bytes):
+        return np.frombuffer(payload, np.float32, self.length, self.offset * 4).copy()
+
+
+@dataclass(slots=True)
+class Synced:
+    id: int
+    version: int
+
+    def value(self, payload: bytes) -> int:
+        return self.version
+
+
+@dataclass(slots=True)
+class Failed:
+    id: int
+    status: int  # 503: the model process cannot serve now (model_unavailable)
+    why: str
+
+    def value(self, payload: bytes):
+        raise ModelUnavailable(self.why) if self.status == 503 else RuntimeError(self.why)
+
+
+@dataclass(slots=True)
+class Batch:
+    size: int  # jobs that went through the model
+    waited: float  # seconds the oldest job waited
+    results: list  # one result record per job
+
+
+RECORDS = {
+    c.__name__: c
+    for c in (ClassifyJob, EmbedJob, SyncJob, ClassifyAnswer, Embedded, Synced, Failed, Batch)
+}
+_FIELDS = {c: tuple(f.name for f in fields(c)) for c in RECORDS.values()}
+
+
+def encode(r) -> dict:
+    """A record -> its JSON object (a Batch's results too)."""
+    out = {"type": type(r).__name__}
+    for f in _FIELDS[type(r)]:
+        v = getattr(r, f)
+        out[f] = [encode(x) for x in v] if f == "results" else v
+    return out
+
+
+def decode(obj):
+    """A JSON object -> its record; ValueError for anything else (the stream is corrupt)."""
+    try:
+        cls = RECORDS[obj.pop("type")]
+        if cls is Batch:
+            obj["results"] = [decode(x) for x in obj["results"]]
+        return cls(**obj)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"not a record of the wire: {str(e)[:100]}") from None

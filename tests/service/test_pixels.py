@@ -1,6 +1,6 @@
 """The serving path's input: Embedder.pixels (numpy, read without GIL-releasing conversions for
 greyscale images at the model's size) must give exactly what preprocess gives, and
-stack_pixels / _run_batch must batch them without mixing images up."""
+stack_pixels / run_batch must batch them without mixing images up."""
 
 import numpy as np
 import pytest
@@ -58,10 +58,10 @@ def test_run_batch_matches_one_by_one(base_run, tmp_path):
         px = [st.embedder.pixels(Image.fromarray(a)) for a in _images(3, seed=5)]
         params = VoteQuery("kde", 30)
         jobs = [Job("classify", px[0], params), Job("embed", px[1]), Job("classify", px[2], params)]
-        out = st.batcher.call(lambda: st._run_batch(jobs))
+        out = st.batcher.call(lambda: st.run_batch(jobs))
         row = out[1].copy()
-        alone = [st.batcher.call(lambda j=j: st._run_batch([j])[0]) for j in jobs]
-        st.batcher.call(lambda: st._run_batch([Job("embed", px[0]), Job("embed", px[2])]))
+        alone = [st.batcher.call(lambda j=j: st.run_batch([j])[0]) for j in jobs]
+        st.batcher.call(lambda: st.run_batch([Job("embed", px[0]), Job("embed", px[2])]))
         np.testing.assert_allclose(out[1], row)  # not overwritten by the later batch
         np.testing.assert_allclose(out[1], alone[1], atol=1e-5)
         for i in (0, 2):
