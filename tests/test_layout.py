@@ -197,3 +197,23 @@ def test_the_core_knows_nothing_of_http():
     assert not bad, bad
     # the check sees imports: the door does import http/ and the web framework
     assert any(_part(i) == "http" for i in service_imports()["service.cli"])
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in a helpers module or a conftest, never in a test module."""
+    bad = []
+    for f in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module.split(".")[-1]] + [a.name for a in node.names]
+                if node.module.split(".")[-1].startswith("test_") or (
+                    node.level and not node.module and any(n.startswith("test_") for n in names)
+                ):
+                    bad.append(f"{f.relative_to(ROOT)} imports {node.module}")
+            elif isinstance(node, ast.Import):
+                bad += [
+                    f"{f.relative_to(ROOT)} imports {a.name}"
+                    for a in node.names
+                    if a.name.split(".")[-1].startswith("test_")
+                ]
+    assert not bad, bad

@@ -172,3 +172,13 @@ def replaced_model(run: Path, out: Path, seed: int = 1) -> Path:
     save_memory_bank(RunDir(out).memory, mem.embeddings, mem.labels, mem.indices, fp)
     build(BuildConfig(run_dir=out, out=out / "index", progress=False), log=lambda m: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server (tests/service/pg.py), started once per test process."""
+    from .pg import PostgresServer
+
+    server = PostgresServer()
+    yield server
+    server.close()

@@ -81,9 +81,3 @@ class PostgresServer:
         self.stop("immediate")
         shutil.rmtree(self.root, ignore_errors=True)
 
-
-@pytest.fixture(scope="session")
-def postgres():
-    server = PostgresServer()
-    yield server
-    server.close()

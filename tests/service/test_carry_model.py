@@ -49,7 +49,6 @@ from .galleries_fake import (
     image,
     index_id,
 )
-from .pg import postgres  # noqa: F401 (fixture)
 
 EXAMPLES = int(os.environ.get("SNCA_CARRY_EXAMPLES", "40"))
 LABELS = ("a", "b", "c", *TRAINED_LABELS)
@@ -408,5 +407,5 @@ def test_sqlite_galleries_keep_every_acknowledged_write():
     _run("sqlite", None, EXAMPLES)
 
 
-def test_postgresql_galleries_keep_every_acknowledged_write(postgres):  # noqa: F811
+def test_postgresql_galleries_keep_every_acknowledged_write(postgres):
     _run("postgresql", postgres, max(2, EXAMPLES // 3))

@@ -25,8 +25,7 @@ from service.store.backup import gallery_checksum, restore, verify
 from service.store.registry import backend_class
 
 from .conftest import png, replaced_model
-from .pg import postgres  # noqa: F401 (fixture)
-from .test_replicas import Backend
+from .helpers import Backend
 
 FAST = {"SNCA_FUSED_BATCHES": "0", "SNCA_MAX_BATCH": "8"}
 FAST_ENV = {**FAST, "SNCA_WARMUP_SECONDS": "0"}
@@ -369,7 +368,7 @@ def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
 
 
 def test_a_new_model_started_on_postgresql_builds_its_gallery_beside_and_switches(
-    postgres,  # noqa: F811 (the fixture)
+    postgres,
     base_run,
     new_model,
     tmp_path,

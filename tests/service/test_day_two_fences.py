@@ -22,7 +22,6 @@ from service.store.records import STANDBY, StoreUnavailable
 from service.store.upgrade import settle
 
 from .galleries_fake import Place, closing, embedding, gen, image
-from .pg import postgres  # noqa: F401 (fixture)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

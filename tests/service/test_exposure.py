@@ -17,15 +17,14 @@ import pytest
 from tests.conftest import run_cli
 
 from .conftest import Server, of_class, png
-from .pg import postgres  # noqa: F401 (fixture)
-from .test_routes import make_client
+from .helpers import make_client
 
 KEY = "exposed-key"
 SECRETS = ("s3cret-pw-123", "s3cret-ssl-456")
 
 
 @pytest.fixture(scope="module")
-def exposed(base_run, postgres, tmp_path_factory):  # noqa: F811
+def exposed(base_run, postgres, tmp_path_factory):
     url = postgres.new_database() + f"?password={SECRETS[0]}&sslpassword={SECRETS[1]}"
     d = tmp_path_factory.mktemp("exposed")
     env = {

@@ -136,7 +136,7 @@ def test_import_while_serving_resume_and_export(base_run, tmp_path, fmnist_test)
 
 def _gallery_with_images(base_run, data, raw, labels: dict[str, int]) -> dict[str, list[int]]:
     """A data dir whose gallery holds `labels` (name -> n images, each added with its image)."""
-    from .test_routes import make_client
+    from .helpers import make_client
 
     out = {}
     with make_client(base_run, data) as c:

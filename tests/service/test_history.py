@@ -18,6 +18,7 @@ import pytest
 from service.store import backup
 
 from .conftest import replaced_model
+from .helpers import Backend
 from .history import (
     Client,
     Cluster,
@@ -31,8 +32,6 @@ from .history import (
     trace,
 )
 from .history import summary as describe
-from .pg import postgres  # noqa: F401 (fixture)
-from .test_replicas import Backend
 
 SECONDS = float(os.environ.get("SNCA_HISTORY_SECONDS", "15"))
 CLIENTS = 3

@@ -7,7 +7,7 @@ import httpx
 from tests.conftest import run_cli
 
 from .conftest import Server, of_class, png
-from .test_routes import make_client
+from .helpers import make_client
 
 
 def test_migrate_added_labels_to_a_running_service(base_run, tmp_path, fmnist_test):

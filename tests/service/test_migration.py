@@ -21,7 +21,7 @@ from service.store.datadir import DataDir
 from service.store.migration import Migration
 
 from .conftest import of_class, png, replaced_model
-from .test_routes import make_client as _make_client
+from .helpers import make_client as _make_client
 
 
 def make_client(run, data_dir, **kw):

@@ -10,10 +10,8 @@ import psycopg
 
 from service.store.postgres import PostgresStore, redact
 
-from .pg import postgres  # noqa: F401 (fixture)
 
-
-def test_sql_ascii_database_owned_by_a_plain_role_seeds_writes_and_follows(postgres, base_run):  # noqa: F811
+def test_sql_ascii_database_owned_by_a_plain_role_seeds_writes_and_follows(postgres, base_run):
     with psycopg.connect(postgres.url(), autocommit=True) as c:
         c.execute("CREATE ROLE snca_plain LOGIN PASSWORD 'secret-pw'")
         c.execute(
@@ -41,7 +39,7 @@ def test_sql_ascii_database_owned_by_a_plain_role_seeds_writes_and_follows(postg
         store.close()
 
 
-def test_a_catch_up_never_waits_behind_the_followers_long_poll(postgres, base_run):  # noqa: F811
+def test_a_catch_up_never_waits_behind_the_followers_long_poll(postgres, base_run):
     """A follower thread sits in wait_head (up to its timeout) on the listening connection;
     changes_after, which a model process calls before it answers a write's sync, must not wait
     for it. It did: every add through a model process on PostgreSQL took 1 to 7 s (the reader

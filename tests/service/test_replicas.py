@@ -20,78 +20,10 @@ import httpx
 import pytest
 
 from .conftest import Server, free_port, of_class, png
-from .pg import postgres  # noqa: F401 (fixture)
+from .helpers import Backend
 
 SECONDS = float(os.environ.get("SNCA_REPLICA_SECONDS", "6"))
 H = "X-Min-Gallery-Version"
-
-
-class Backend:
-    """Where replicas keep the gallery: one SQLite file (a shared data dir) or PostgreSQL."""
-
-    def __init__(self, kind: str, tmp: Path, pg=None):
-        self.kind, self.tmp = kind, tmp
-        self.url = pg.new_database() if kind == "postgresql" else None
-        self.pg = pg
-        self.n = 0
-
-    def start(self, run: Path, *extra, env=None, **kw) -> Server:
-        kw.setdefault("model_process", "--no-model-process" not in extra)  # as deployed
-        self.n += 1
-        if self.kind == "sqlite":  # one data dir: the store file and its snapshots
-            return Server(run, self.tmp / "data", env, *extra, **kw)
-        d = self.tmp / f"replica-{self.n}"
-        d.mkdir(exist_ok=True)
-        return Server(run, d / "data", env, "--store", self.url, *extra, **kw)
-
-    def tool_command(self, run: Path, *args) -> list[str]:
-        """`python -m service.tools.gallery_tool ARGS` on this backend's store."""
-        where = ["--data-dir", str(self.tmp / "data")]
-        if self.url:
-            where += ["--store", self.url]
-        tool = [sys.executable, "-m", "service.tools.gallery_tool"]
-        return [*tool, *args, "--model", str(run), *where]
-
-    def tool(self, run: Path, *args, check=True, env=None) -> subprocess.CompletedProcess:
-        """snca-gallery ARGS on this backend's store, as users run it; rc 0 unless not `check`."""
-        p = subprocess.run(
-            self.tool_command(run, *args),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
-        )
-        if check:
-            assert p.returncode == 0, p.stdout + p.stderr
-        return p
-
-    def log_rows(self) -> tuple[int, int, list[int]]:
-        """(log floor, last seq, seqs in (floor, last] missing from the log)."""
-        if self.kind == "sqlite":
-            conn = sqlite3.connect(self.tmp / "data" / "gallery.sqlite")
-            meta = dict(conn.execute("SELECT key, value FROM meta"))
-            seqs = {r[0] for r in conn.execute("SELECT seq FROM log")}
-            conn.close()
-        else:
-            import psycopg
-
-            with psycopg.connect(self.url) as conn:
-                meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
-                seqs = {r[0] for r in conn.execute("SELECT seq FROM log").fetchall()}
-        floor, last = int(meta["log_floor"]), int(meta["last_seq"])
-        return floor, last, [s for s in range(floor + 1, last + 1) if s not in seqs]
-
-    def query(self, sql: str) -> list[tuple]:
-        if self.kind == "sqlite":
-            conn = sqlite3.connect(self.tmp / "data" / "gallery.sqlite")
-            try:
-                return conn.execute(sql).fetchall()
-            finally:
-                conn.close()
-        import psycopg
-
-        with psycopg.connect(self.url) as conn:
-            return conn.execute(sql).fetchall()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -307,7 +239,7 @@ def test_a_replica_behind_a_compacted_log_rebuilds_from_the_store(backend, base_
 
 
 @pytest.mark.slow
-def test_postgres_stopped_while_serving_then_back(postgres, base_run, tmp_path, fmnist_test):  # noqa: F811
+def test_postgres_stopped_while_serving_then_back(postgres, base_run, tmp_path, fmnist_test):
     backend = Backend("postgresql", tmp_path, postgres)
     a = backend.start(base_run)
     q = png(fmnist_test, 0)
@@ -341,10 +273,8 @@ def test_postgres_stopped_while_serving_then_back(postgres, base_run, tmp_path, 
 
 
 @pytest.mark.slow
-def test_replicas_started_together_seed_an_empty_database_once(postgres, base_run, tmp_path):  # noqa: F811
+def test_replicas_started_together_seed_an_empty_database_once(postgres, base_run, tmp_path):
     backend = Backend("postgresql", tmp_path, postgres)
-    import subprocess
-    import sys
 
     procs, urls = [], []
     for n in range(3):

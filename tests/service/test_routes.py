@@ -6,32 +6,18 @@ import zlib
 
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 
 from service.config import Settings
-from service.http.app import create_app
 from service.http.schemas import BatchResult, ClassifyResult
 
 from .conftest import of_class, png
-
-
-def make_client(run, data_dir, **kw):
-    """The app in this process. The model on a thread (a TestClient tests the routes); the
-    same routes through a model process: tests/service/test_model_process.py, which holds
-    every route's answers in both modes equal."""
-    kw.setdefault("model_process", False)
-    app = create_app(Settings(model=run, data_dir=data_dir, **kw))
-    return TestClient(app, base_url="http://localhost")  # a loopback Host, as the server wants
+from .helpers import img, make_client
 
 
 @pytest.fixture()
 def client(base_run, tmp_path):
     with make_client(base_run, tmp_path / "serve") as c:
         yield c
-
-
-def img(raw, i):
-    return {"image": ("q.png", png(raw, i), "image/png")}
 
 
 def test_start_up_warms_the_vote_caches(base_run, tmp_path):

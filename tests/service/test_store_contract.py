@@ -15,8 +15,6 @@ from service.store import BACKENDS, NothingChanged, Store, StoreReader, backend_
 from service.store.postgres import PostgresStore
 from service.store.sqlite import SqliteStore
 
-from .pg import postgres  # noqa: F401 (fixture)
-
 DIM = 8
 FP, INDEX = "sha256:" + "ab" * 32, "build-1"
 TRAINED = {"a": 3, "b": 2}  # label -> trained items in the seed

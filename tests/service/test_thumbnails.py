@@ -15,7 +15,7 @@ from embedding.index import STORE_FILE
 from tests.conftest import run_cli
 
 from .conftest import of_class, png
-from .test_routes import img, make_client
+from .helpers import img, make_client
 
 
 @pytest.fixture(scope="module")

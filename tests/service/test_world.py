@@ -15,8 +15,8 @@ from PIL import Image
 from tests.conftest import run_cli
 
 from .conftest import of_class, png
+from .helpers import make_client
 from .photos import CUP_BOX, crops, photo, png_bytes, unrelated
-from .test_routes import make_client
 
 
 def _png(a: np.ndarray) -> bytes:
