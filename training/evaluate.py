@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -35,7 +36,7 @@ from embedding.knn import knn_evaluate, knn_search, weighted_knn_vote
 from embedding.rundir import RunDir
 
 from .config import run_config
-from .datasets import build_data, embed_split, parse_classes, select
+from .datasets import build_data, embed_split, parse_classes, select, stratified_pick
 from .protocols import linear_probe, pca_fit, pca_project
 
 
@@ -69,7 +70,12 @@ def per_class_top1(
     ]
 
 
-def closed_set(run: Path, split: str = "val", ks=(1, 30), pca_dim: int = 128) -> dict:
+def closed_set(
+    run: Path, split: str = "val", ks=(1, 30), pca_dim: int = 128, limit: int | None = None
+) -> dict:
+    """Closed-set kNN accuracy of a run on its `split` ("val" or "test"); `limit`: at most this
+    many queries, the same share of every class (seeded: the same ones every time), for quick
+    checks of the pipeline (`make reproduce QUICK=1`), never for reported numbers."""
     rd = RunDir(run)
     cfg = run_config(run)
     data = build_data(cfg)
@@ -82,6 +88,8 @@ def closed_set(run: Path, split: str = "val", ks=(1, 30), pca_dim: int = 128) ->
     else:
         raw = load_raw(cfg.dataset, "test", cfg.data_dir, mc.image_size, mc.in_channels)
         queries = select(raw, parse_classes(cfg.classes, raw.class_names), cfg.coarse)
+    if limit is not None and len(queries) > limit:
+        queries = queries.subset(stratified_pick(queries.labels, limit, np.random.default_rng(0)))
     mem = rd.load_memory()
     bank = {"embeddings": mem.embeddings, "labels": mem.labels, "fine_labels": mem.fine_labels}
     c, sigma = len(mc.class_names), mc.temperature

@@ -37,6 +37,8 @@ def test_quick_grid_end_to_end(tmp_path):
         top1 = job["closed"]["memory"]["knn_top1@30"]
         assert 10.0 < top1 <= 100.0, (name, top1)  # above chance on 10 classes, a real number
     assert "fine" in raw["jobs"]["coarse-nca"]["closed"]
+    # quick: a stratified 2,000 of the test images, never all 10,000
+    assert raw["jobs"]["main-nca"]["closed"]["queries"] == 2000
     eps = raw["jobs"]["fewshot-nca"]["episodes"]
     assert set(eps) == {"1", "5"} and all(0 < e["mean"] <= 1 for e in eps.values())
     text = (docs / "RESULTS.md").read_text()

@@ -80,4 +80,3 @@ class PostgresServer:
     def close(self) -> None:
         self.stop("immediate")
         shutil.rmtree(self.root, ignore_errors=True)
-

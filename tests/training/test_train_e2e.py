@@ -77,7 +77,8 @@ def test_run_dir_is_complete_and_round_trips(short_run):
     assert metrics[0]["memory_momentum"] == 0.5 and metrics[-1]["memory_momentum"] == 0.9
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     config = json.loads((out / "config.json").read_text())
-    assert config["train_images"] == 9000 and config["val_images"] == 1000
+    want = SHORT["subset"] - SHORT["val_size"]
+    assert config["train_images"] == want and config["val_images"] == SHORT["val_size"]
     # where the images came from, enough for the index builder to read the same ones again
     prov = RunDir(out).read_provenance()
     assert prov.dataset == "fashion-mnist" and prov.train_items == 60000
@@ -88,8 +89,8 @@ def test_run_dir_is_complete_and_round_trips(short_run):
     model = load_model(out)
     bank, meta = load_memory_bank(out / "memory.safetensors")
     assert meta["model_fingerprint"] == model.fingerprint
-    assert bank["embeddings"].shape == (9000, 128)
-    torch.testing.assert_close(bank["embeddings"].norm(dim=1), torch.ones(9000))
+    assert bank["embeddings"].shape == (want, 128)
+    torch.testing.assert_close(bank["embeddings"].norm(dim=1), torch.ones(want))
     data = build_data(TrainConfig(**SHORT))
     assert np.array_equal(bank["indices"].numpy(), data.train.positions)
     ve = embed_split(model, data.val, model.config, batch_size=256)
