@@ -480,7 +480,7 @@ class Carry:
     def _reconcile(self, read: Read, st: dict, last_seq: int) -> None:
         """The source's log no longer reaches back to where this carry was (compacted): compare
         the two galleries in full (adds missing in the target carried, what the source no
-        longer holds deleted, its tombstones applied)."""
+        longer holds deleted, its tombstones applied, its Idempotency records since copied)."""
         self.say("the source's log was compacted past this carry: reconciling in full")
         tgt, d = self.target.store, self.source.store.dialect
         after = -1
@@ -497,12 +497,16 @@ class Carry:
             mapped = self._new_ids([r[0] for r in tgt._select("SELECT old_id FROM carried")])
             gone = [new for old, new in mapped.items() if old not in live]
         tombs = self._tombstones(read)
+        # the Idempotency records of the writes the log no longer holds (a client's retry on
+        # the target must be answered by the first outcome, not made again)
+        requests = read(d.q(REQUESTS_AFTER), (int(st["source_seq"]),))
         tok = read(d.q(sql.LOG_TOKEN), (last_seq,))
         st["source_seq"], st["token"] = last_seq, tok[0][0] if tok else None
         st["source_next_id"] = int(dict(read(sql.META)).get("next_id", 0))
 
         def fn(conn, seq):
             self._bury(conn, seq, tombs, gone)
+            self._copy_requests(conn, requests)
             self._save(conn, st, seq)
 
         self._write(fn)

@@ -18,7 +18,7 @@ import pytest
 from embedding.errors import ArtifactError
 from service.store import backup
 from service.store.galleries import alias
-from service.store.records import STANDBY, StoreUnavailable
+from service.store.records import STANDBY, Keyed, StoreUnavailable
 from service.store.upgrade import settle
 
 from .galleries_fake import Place, closing, embedding, gen, image
@@ -376,3 +376,26 @@ def test_a_server_never_makes_a_gallery_beside_the_live_one(tmp_path):
         assert not list((home.parent / "galleries").glob("*/gallery.sqlite"))
     finally:
         place.close()
+
+
+def test_a_keyed_write_carried_through_a_compacted_log_keeps_its_key(place):
+    """The history checker (PostgreSQL seed 2726998346, 240 s): an add committed on the live
+    gallery under an Idempotency-Key, the log compacted past the upgrade's position, the
+    carry reconciled in full without the key's record: the client's retry on the new gallery
+    was made again (a second item; the first one "never acknowledged to anyone"). Now the
+    reconcile copies the records too, and the retry is answered by the first outcome."""
+    add(place, gen(0), "a", 3, 0)
+    place.upgrade(1, False)  # B built, following A from here
+    with closing(place.galleries()) as g:
+        s = g.open(gen(0))
+        b = image(99)
+        _, ids = s.add("k", [embedding(b)], [None], [(b, "image/png")], keyed=Keyed("K1", "d1"))
+        s.compact(s.last_seq())  # the log no longer reaches back to B's position
+    place.upgrade(1, True)  # reconciles, switches
+    with closing(place.galleries()) as g:
+        assert alias(g.home)["gen"] == gen(1)
+        got = g.open(gen(1)).request("K1")
+    assert got is not None, "the key's record was not carried: a retry would add again"
+    digest, _, outcome = got
+    assert digest == "d1" and outcome["ids"] == ids
+    assert sorted(i for i, lab in live_added(place, gen(1)).items() if lab == "k") == ids
