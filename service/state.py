@@ -96,18 +96,8 @@ class ServiceState:
         """Store and apply an add; `stats` (n, D) the images' world statistics, when known;
         `keyed`: the client's Idempotency-Key (Replayed: it was used before, nothing written)."""
         with self.write_lock:
-            try:
+            with self._store_write():
                 seq, ids = self.store.add(label, emb, metadata, images, thumbnails, stats, keyed)
-            except StoreCarriedAway as e:
-                self._retire(str(e))
-                raise
-            except StoreStandby as e:
-                self.standby = str(e)  # (the follower clears it once this gallery is live)
-                raise
-            except StoreUnavailable as e:
-                self.last_write_error = str(e)
-                raise
-            self.last_write_error = self.follow_error = None  # the store works again
             if self.gallery.version == seq - 1:  # nobody else wrote meanwhile
                 self.gallery.apply_add(ids, label, emb, seq, stats)
                 self._after_write()
@@ -122,18 +112,8 @@ class ServiceState:
         replica remembers them: an item added on another replica a moment ago is found even
         before this one applied it. ([], version) when none was live."""
         with self.write_lock:
-            try:
+            with self._store_write():
                 seq, rows = self.store.delete(ids, label, keyed)
-            except StoreCarriedAway as e:
-                self._retire(str(e))
-                raise
-            except StoreStandby as e:
-                self.standby = str(e)  # (the follower clears it once this gallery is live)
-                raise
-            except StoreUnavailable as e:
-                self.last_write_error = str(e)
-                raise
-            self.last_write_error = self.follow_error = None  # the store works again
             if not seq:  # nothing was live: nothing written
                 return [], self.gallery.version
             if self.gallery.version == seq - 1:
@@ -142,6 +122,23 @@ class ServiceState:
             else:
                 self._applied_after_commit(seq)
             return rows, seq
+
+    @contextlib.contextmanager
+    def _store_write(self):
+        """Around a store write (under the write lock): what its failure tells of the store is
+        kept for /readyz and the next writes; a success clears it (the store works again)."""
+        try:
+            yield
+        except StoreCarriedAway as e:
+            self._retire(str(e))
+            raise
+        except StoreStandby as e:
+            self.standby = str(e)  # (the follower clears it once this gallery is live)
+            raise
+        except StoreUnavailable as e:
+            self.last_write_error = str(e)
+            raise
+        self.last_write_error = self.follow_error = None
 
     def _applied_after_commit(self, seq: int) -> None:
         """Under the write lock, after write `seq` committed: the log up to it applied (the

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from embedding.config import ModelConfig
 from embedding.datasets import STATS, FileSource, RawDataset, load_raw, verify_images
@@ -178,14 +178,6 @@ def build_data(cfg: TrainConfig, dist: DistEnv | None = None) -> Data:
         small_stem=cfg.resolved_small_stem(raw.image_size),
     )
     return Data(train, val, model_cfg)
-
-
-def eval_loader(split: Split, model_cfg: ModelConfig, batch_size: int, num_workers: int, pin: bool):
-    """(image, label, index) batches of `split` through the eval transform, in order."""
-    ds = IndexedDataset(split, eval_transform(model_cfg))
-    return DataLoader(
-        ds, batch_size=batch_size, shuffle=False, num_workers=num_workers, pin_memory=pin
-    )
 
 
 def embed_split(

@@ -164,11 +164,6 @@ class Rows:
         r = self._row(item_id)
         return None if r < 0 or not self.dense else self._emb[r].copy()
 
-    def label_of(self, item_id: int) -> int:
-        """The label id of a live item, -1 if there is none."""
-        r = self._row(item_id)
-        return -1 if r < 0 else int(self._label[r])
-
     def labels_of(self, ids: np.ndarray) -> np.ndarray:
         """Label ids of item ids of any shape (-1: no such live item, or a -1 id), vectorised."""
         ids = np.asarray(ids, dtype=np.int64)

@@ -66,6 +66,13 @@ def open_unwritable(path: Path, shared: bool = False) -> sqlite3.Connection:
     return open_store(path, readonly=True, immutable=not has_wal, shared=shared)
 
 
+class _Rollback(Exception):
+    """Inside a write: roll it back and answer `result` (records.NothingChanged's way out)."""
+
+    def __init__(self, result):
+        self.result = result
+
+
 class SqliteStore(Store):
     """The SQLite backend (the embedded default; several workers on one host share it)."""
 
@@ -511,41 +518,26 @@ class SqliteStore(Store):
         log row (`op`, count(result) items, a new token); return (seq, fn's result).
         records.StoreUnavailable when the store cannot be written, records.StoreCarriedAway once it was
         carried to another model; fn raising records.NothingChanged(result) rolls back: (0, result)."""
+
+        def body(conn):
+            meta = dict(conn.execute(sql.WRITE_GUARDS))
+            base.guard_write(meta, op)  # under the write lock: the seal, the standby
+            seq = int(meta["last_seq"]) + 1
+            try:
+                result = fn(conn, seq)
+            except records.NothingChanged as e:
+                raise _Rollback((0, e.args[0] if e.args else None)) from None
+            set_meta(conn, "last_seq", str(seq))
+            conn.execute(D.q(sql.INSERT_LOG), (seq, op, int(count(result)), utc_now(), new_token()))
+            return seq, result
+
         with self._lock:
             self._check_retired()
             self._ensure_writable()
             why = self.unwritable()
             if why is not None:
                 raise records.StoreUnavailable(why)
-            try:
-                self.conn.execute("BEGIN IMMEDIATE")
-                try:
-                    meta = dict(self.conn.execute(sql.WRITE_GUARDS))
-                    base.guard_write(meta, op)  # under the write lock: the seal, the standby
-                    seq = int(meta["last_seq"]) + 1
-                    try:
-                        result = fn(self.conn, seq)
-                    except records.NothingChanged as e:
-                        self.conn.execute("ROLLBACK")
-                        return 0, e.args[0] if e.args else None
-                    set_meta(self.conn, "last_seq", str(seq))
-                    self.conn.execute(
-                        D.q(sql.INSERT_LOG), (seq, op, int(count(result)), utc_now(), new_token())
-                    )
-                    self.conn.execute("COMMIT")
-                except BaseException:
-                    # "no transaction is active": SQLite already rolled back; the error
-                    # that matters is the one being raised, not the ROLLBACK's
-                    with contextlib.suppress(sqlite3.Error):
-                        self.conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.OperationalError as e:
-                raise records.StoreUnavailable(
-                    f"the gallery store cannot be written: {e}"
-                ) from None
-            except sqlite3.DatabaseError as e:
-                raise records.StoreUnavailable(f"the gallery store failed: {e}") from None
-            return seq, result
+            return self._immediate(body)
 
     def plain(self, fn):
         """fn(conn) in one IMMEDIATE transaction with no seq and no log row (meta bookkeeping:
@@ -553,20 +545,31 @@ class SqliteStore(Store):
         with self._lock:
             self._check_retired()
             self._ensure_writable()
+            return self._immediate(fn)
+
+    def _immediate(self, fn):
+        """fn(conn) in one IMMEDIATE transaction (the caller holds the lock and checked the
+        store): committed when it returns, rolled back when it raises (_Rollback: its result
+        returned); SQLite's errors as records.StoreUnavailable."""
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
             try:
-                self.conn.execute("BEGIN IMMEDIATE")
-                try:
-                    result = fn(self.conn)
-                    self.conn.execute("COMMIT")
-                except BaseException:
-                    with contextlib.suppress(sqlite3.Error):
-                        self.conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.DatabaseError as e:
-                raise records.StoreUnavailable(
-                    f"the gallery store cannot be written: {e}"
-                ) from None
-            return result
+                result = fn(self.conn)
+                self.conn.execute("COMMIT")
+            except _Rollback as r:
+                self.conn.execute("ROLLBACK")
+                return r.result
+            except BaseException:
+                # "no transaction is active": SQLite already rolled back; the error that
+                # matters is the one being raised, not the ROLLBACK's
+                with contextlib.suppress(sqlite3.Error):
+                    self.conn.execute("ROLLBACK")
+                raise
+        except sqlite3.OperationalError as e:
+            raise records.StoreUnavailable(f"the gallery store cannot be written: {e}") from None
+        except sqlite3.DatabaseError as e:
+            raise records.StoreUnavailable(f"the gallery store failed: {e}") from None
+        return result
 
     def _next_ids(self, conn, n: int) -> list[int]:
         return allocate_ids(conn, n)
