@@ -2,14 +2,22 @@
 
 Both accept a PIL image (any mode) or a uint8 tensor (C, H, W) and return a normalised float
 tensor (in_channels, image_size, image_size).
+
+The serving path (`eval_geometry`, `normalize_batch`, `ToChannels`) runs on torch alone, with
+torchvision v2's arithmetic reproduced bit for bit (tests/embedding/test_transforms_parity.py):
+importing torchvision costs ~1.3 s of every process start (it imports torch._dynamo), and a
+worker starts two. Training's augmentations and `eval_transform` use torchvision (imported when
+they are built).
 """
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
-from torchvision.transforms import v2
 
 from .config import ModelConfig
 
@@ -41,7 +49,7 @@ class ToChannels:
                 bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
                 img = Image.alpha_composite(bg, rgba)
             img = img.convert("L" if self.channels == 1 else "RGB")
-            t = v2.functional.pil_to_tensor(img)
+            t = _pil_to_tensor(img)
         else:
             t = img
         if t.ndim == 2:
@@ -49,11 +57,20 @@ class ToChannels:
         c = t.shape[0]
         if c == self.channels:
             return t
-        if self.channels == 1 and c == 3:
-            return v2.functional.rgb_to_grayscale(t)
+        if self.channels == 1 and c == 3:  # ITU-R 601 luma, as torchvision's rgb_to_grayscale
+            r, g, b = t.unbind(dim=-3)
+            grey = r.mul(0.2989).add_(g, alpha=0.587).add_(b, alpha=0.114)
+            return grey.unsqueeze(dim=-3).to(t.dtype)
         if c == 1:
             return t.expand(self.channels, -1, -1).contiguous()
         raise ValueError(f"cannot convert a {c}-channel image to {self.channels} channels")
+
+
+def _pil_to_tensor(img: Image.Image) -> torch.Tensor:
+    """uint8 (C, H, W) of a PIL image (L or RGB), as torchvision's pil_to_tensor."""
+    a = np.array(img, copy=True)
+    t = torch.from_numpy(a)
+    return t[None] if a.ndim == 2 else t.permute(2, 0, 1)
 
 
 def resize_side(cfg: ModelConfig) -> int:
@@ -61,11 +78,15 @@ def resize_side(cfg: ModelConfig) -> int:
     return cfg.image_size if cfg.image_size <= SMALL_IMAGE else round(cfg.image_size / cfg.crop_pct)
 
 
-def _filter(cfg: ModelConfig) -> v2.InterpolationMode:
+def _filter(cfg: ModelConfig):
+    from torchvision.transforms import v2
+
     return v2.InterpolationMode(cfg.interpolation)
 
 
 def _resize_ops(cfg: ModelConfig) -> list:
+    from torchvision.transforms import v2
+
     if cfg.image_size <= SMALL_IMAGE:
         return [v2.Resize((cfg.image_size, cfg.image_size), antialias=True)]
     return [  # short side to size / crop_pct, then the centre crop (ImageNet's eval recipe)
@@ -75,29 +96,78 @@ def _resize_ops(cfg: ModelConfig) -> list:
 
 
 def _normalize_ops(cfg: ModelConfig) -> list:
+    from torchvision.transforms import v2
+
     return [v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(cfg.mean), list(cfg.std))]
 
 
-def eval_transform(cfg: ModelConfig) -> v2.Compose:
-    """Deterministic preprocessing used for evaluation, index building and serving."""
+def eval_transform(cfg: ModelConfig):
+    """Deterministic preprocessing used for evaluation, index building and serving (a v2
+    Compose; the service runs the same arithmetic as eval_geometry + normalize_batch)."""
+    from torchvision.transforms import v2
+
     return v2.Compose([ToChannels(cfg.in_channels), *_resize_ops(cfg), *_normalize_ops(cfg)])
 
 
+def _native_uint8(mode: str) -> bool:
+    """Whether torchvision resizes uint8 in place for `mode` on this CPU (bilinear: only with
+    AVX2/AVX-512 kernels, or on ARM; bicubic: always); else it resizes in float32 and rounds."""
+    if mode == "bilinear":
+        cap = torch.backends.cpu.get_cpu_capability()
+        return cap in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
+    return mode == "bicubic"
+
+
+def resize_uint8(t: torch.Tensor, size, mode: str = "bilinear") -> torch.Tensor:
+    """v2.Resize(size, mode, antialias=True) of a uint8 (C, H, W), on torch alone: `size` an
+    int (the short side; the long one int(size * long / short)) or (h, w)."""
+    h, w = t.shape[-2:]
+    if isinstance(size, int):
+        short, long = (w, h) if w <= h else (h, w)
+        new_short, new_long = size, int(size * long / short)
+        nh, nw = (new_long, new_short) if w <= h else (new_short, new_long)
+    else:
+        nh, nw = size
+    if (nh, nw) == (h, w) or t.numel() == 0:
+        return t
+    antialias = mode in ("bilinear", "bicubic")
+    align = False if antialias else None
+    x = t.reshape(-1, *t.shape[-3:])
+    native = _native_uint8(mode) or mode == "nearest"
+    y = F.interpolate(
+        x if native else x.float(), size=[nh, nw], mode=mode, align_corners=align,
+        antialias=antialias,
+    )  # fmt: skip
+    if not native:
+        if mode == "bicubic":
+            y = y.clamp_(0, 255)
+        y = y.round_().to(torch.uint8)
+    return y.reshape(*t.shape[:-2], nh, nw)
+
+
+def center_crop(t: torch.Tensor, side: int) -> torch.Tensor:
+    """v2.CenterCrop(side) of an image at least `side` on both sides."""
+    h, w = t.shape[-2:]
+    top, left = round((h - side) / 2.0), round((w - side) / 2.0)
+    return t[..., top : top + side, left : left + side]
+
+
 class _Geometry:
-    """ToChannels + the eval resize, skipping the resize when a small image already has the
-    model's size (v2.Resize to the same size is the identity; this saves ~40 us per image)."""
+    """ToChannels + the eval resize (and crop), on torch alone: the same pixels as
+    eval_transform's v2 ops. A small image already at the model's size is not resized."""
 
     def __init__(self, cfg: ModelConfig):
         self.channels = ToChannels(cfg.in_channels)
         self.size = (cfg.image_size, cfg.image_size)
         self.small = cfg.image_size <= SMALL_IMAGE
-        self.resize = v2.Compose(_resize_ops(cfg))
+        self.side = resize_side(cfg)
+        self.mode = cfg.interpolation
 
     def __call__(self, img) -> torch.Tensor:
         t = self.channels(img)
-        if self.small and tuple(t.shape[-2:]) == self.size:
-            return t
-        return self.resize(t)
+        if self.small:
+            return t if tuple(t.shape[-2:]) == self.size else resize_uint8(t, self.size)
+        return center_crop(resize_uint8(t, self.side, self.mode), self.size[0])
 
 
 def eval_geometry(cfg: ModelConfig) -> _Geometry:
@@ -109,13 +179,17 @@ def eval_geometry(cfg: ModelConfig) -> _Geometry:
 
 def normalize_batch(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """The second half of `eval_transform` on a stacked uint8 batch (B, C, H, W) -> float."""
-    x = v2.functional.to_dtype(x, torch.float32, scale=True)
-    return v2.functional.normalize(x, list(cfg.mean), list(cfg.std))
+    x = x.to(torch.float32).mul_(1.0 / 255)  # as v2.ToDtype(float32, scale=True)
+    mean = torch.as_tensor(cfg.mean, dtype=torch.float32).view(-1, 1, 1)
+    std = torch.as_tensor(cfg.std, dtype=torch.float32).view(-1, 1, 1)
+    return x.sub(mean).div_(std)  # as v2.Normalize
 
 
-def train_transform(cfg: ModelConfig) -> v2.Compose:
+def train_transform(cfg: ModelConfig):
     """Augmentation for training: pad-and-crop + flip for small images (paper's CIFAR recipe),
     random-resized-crop + flip for large ones (paper's ImageNet recipe)."""
+    from torchvision.transforms import v2
+
     if cfg.image_size <= SMALL_IMAGE:
         geo = [
             v2.Resize((cfg.image_size, cfg.image_size), antialias=True),
