@@ -20,6 +20,7 @@ import os
 import shutil
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -269,16 +270,25 @@ class SqliteStore(Store):
         return on_read_only_fs(self.path)
 
     def _open_writable(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("PRAGMA busy_timeout=5000")
-            migrate_store(conn)  # a store written by an older version: add the new columns
-        except sqlite3.DatabaseError as e:
-            conn.close()
-            raise ArtifactError(f"cannot open gallery store {self.path} for writing: {e}") from None
-        return conn
+        deadline = time.monotonic() + 30
+        while True:
+            conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            try:
+                conn.execute("PRAGMA busy_timeout=5000")
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")
+                migrate_store(conn)  # a store written by an older version: add the new columns
+                return conn
+            except sqlite3.DatabaseError as e:
+                conn.close()
+                # SQLite answers 'locked' without waiting where waiting could deadlock (two
+                # connections upgrading their locks at once): try again, for a bounded time
+                if "locked" in str(e) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise ArtifactError(
+                    f"cannot open gallery store {self.path} for writing: {e}"
+                ) from None
 
     def _open_read_only(self) -> sqlite3.Connection:
         conn = open_unwritable(self.path, shared=True)
@@ -336,6 +346,10 @@ class SqliteStore(Store):
             for k, v in {STORE_ID: new_token(), **extra}.items():
                 set_meta(conn, k, v)
             conn.commit()
+            # in WAL mode before anyone can open it: the switch from the seed's rollback
+            # journal needs an exclusive lock, and two processes switching one file at once
+            # (the servers of two replicas starting) fail one with 'database is locked'
+            conn.execute("PRAGMA journal_mode=WAL")
         finally:
             conn.close()
         with open(tmp, "rb+") as f:

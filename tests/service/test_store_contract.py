@@ -285,3 +285,27 @@ def test_concurrent_writers_get_gap_free_seqs_in_commit_order(store):
     assert seqs == list(range(1, 21))
     ids = [i for c in store.changes_after(0).changes for i in c.ids]
     assert sorted(ids) == list(range(5, 25))  # every id once
+
+
+def test_a_server_opening_a_store_another_holds_waits_for_it(seed, tmp_path):
+    # A second replica starting while the first upgrades a large store's schema (one write
+    # transaction, longer than SQLite's 5 s busy wait): it waits its turn instead of exiting
+    # with 'database is locked'. (The same retry covers the locks SQLite refuses without
+    # waiting, two connections upgrading theirs at once, as a fresh-clone run saw.)
+    import sqlite3
+
+    path = tmp_path / "data" / "gallery.sqlite"
+    SqliteStore(path, seed, FP, INDEX).close()
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("DROP TABLE requests")
+    released = threading.Timer(6.0, lambda: holder.execute("COMMIT"))
+    released.start()
+    try:
+        s = SqliteStore(path, seed, FP, INDEX)
+        assert s.meta()["schema_version"] == "6" and len(s.live_items()) == 5
+        s.close()
+    finally:
+        released.join()
+        holder.close()
