@@ -29,7 +29,6 @@ from pathlib import Path
 
 from embedding.cliutil import positive_int
 from embedding.errors import SNCAError
-from embedding.votes import VOTES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    from embedding.votes import VOTES
+
     p.add_argument("--vote", choices=VOTES, help="default voting rule (default kde_shrunk)")
     p.add_argument("--k", type=positive_int, help="default k (30)")
     p.add_argument(
@@ -121,8 +122,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def runs_a_model_process(argv: list[str]) -> bool:
+    """Whether this process will start a model process, as far as its command line and SNCA_
+    settings say before anything is imported (a wrong guess costs only an early child let go,
+    or a later spawn)."""
+    from service.workers import WORKER_FD
+
+    def given(flag: str, name: str, default: str) -> str:
+        for i, a in enumerate(argv):
+            if a == flag and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+        return os.environ.get(f"SNCA_{name}", default)
+
+    if {"-h", "--help", "--no-model-process"} & set(argv):
+        return False
+    if given("--model-process", "MODEL_PROCESS", "true").lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        workers = int(given("--workers", "WORKERS", "1"))
+    except ValueError:
+        return False
+    return workers <= 1 or WORKER_FD in os.environ
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = vars(build_parser().parse_args(argv))
+    from service.model import spawn  # (standard library only)
+
+    if runs_a_model_process(sys.argv[1:] if argv is None else list(map(str, argv))):
+        spawn.start_early()  # it imports torch while this process imports its own
+    try:
+        return serve(vars(build_parser().parse_args(argv)), argv)
+    finally:
+        spawn.discard_early()  # (not taken: it exits)
+
+
+def serve(args: dict, argv: list[str] | None) -> int:
     try:
         import uvicorn
         from pydantic import ValidationError

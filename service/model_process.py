@@ -25,8 +25,8 @@ from dataclasses import asdict
 
 from embedding.errors import SNCAError
 from service.config import Settings
-from service.model.remote import CONTROL_FD_ENV, DATA_FD_ENV, SETTINGS_ENV
 from service.model.runtime import label_threshold
+from service.model.spawn import CONTROL_FD_ENV, DATA_FD_ENV, SETTINGS_FD_ENV
 from service.model.wire import Batch, Failed, FrameReader, Synced, frame
 from service.store import StoreUnavailable
 
@@ -182,14 +182,27 @@ class Server:
         return np.frombuffer(payload, np.uint8).reshape(self.shape)
 
 
+def read_settings(fd: int) -> dict | None:
+    """The front's settings, JSON, from the pipe it writes them to (None: it closed the pipe
+    without any: it exited, or runs no model process; service/model/spawn.py)."""
+    chunks = []
+    with os.fdopen(fd, "rb") as f:
+        while chunk := f.read(1 << 16):
+            chunks.append(chunk)
+    return json.loads(b"".join(chunks)) if chunks else None
+
+
 def main() -> int:
+    # everything heavy first: the front imports its own meanwhile, then sends the settings
     from service.logs import setup_logging
     from service.startup import ServiceHost
 
+    given = read_settings(int(os.environ.pop(SETTINGS_FD_ENV)))
+    if given is None:
+        return 0
     control = Control(int(os.environ.pop(CONTROL_FD_ENV)))
     sock = socket.socket(fileno=int(os.environ.pop(DATA_FD_ENV)))
     sock.setblocking(True)
-    given = json.loads(os.environ.pop(SETTINGS_ENV))
     default_store = given.pop("store_is_default", False)
     settings = Settings.model_validate(given)
     settings._store_given = not default_store

@@ -25,7 +25,10 @@ def optimize_for_cpu(
             # TorchScript is deprecated in favour of torch.compile, which on this kind of CPU
             # takes ~30 s to start and is not faster for conv4; the pin keeps torch < 2.15.
             warnings.simplefilter("ignore")
-            opt = torch.jit.optimize_for_inference(torch.jit.trace(model, example))
+            # (check_trace off: the comparison below is the check, at two batch sizes; the
+            # tracer's own re-run imported torch.distributed and cost 1.5 s per start)
+            traced = torch.jit.trace(model, example, check_trace=False)
+            opt = torch.jit.optimize_for_inference(traced)
             err = max(differs(model(x), opt(x)) for x in (example, example[:1]))
     except Exception as e:  # any failure means "serve the eager model"
         return model, f"eager: optimization failed ({type(e).__name__}: {e})"
@@ -73,7 +76,8 @@ def fuse_for_shape(
             warnings.simplefilter("ignore")
             torch.jit.enable_onednn_fusion(True)
             try:
-                fused = torch.jit.freeze(torch.jit.trace(module, example).eval())
+                traced = torch.jit.trace(module, example, check_trace=False)  # (checked below)
+                fused = torch.jit.freeze(traced.eval())
                 for _ in range(3):  # the profiling executor compiles on the first calls
                     out = fused(example)
             finally:

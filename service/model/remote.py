@@ -28,7 +28,6 @@ import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from service.config import Settings
 from service.gallery import Classification
 from service.gallery.query import VoteQuery
 from service.gallery.world import WorldVerdict
+from service.model import spawn
 from service.model.embedder import Preprocessing
 from service.model.runtime import Answer, ModelInfo, Prepared, Runtime
 from service.model.wire import (
@@ -59,13 +59,9 @@ from service.store.records import WriteNotApplied
 
 log = logging.getLogger("snca.service")
 
-SETTINGS_ENV = "SNCA_MODEL_PROCESS_SETTINGS"  # the front's settings, JSON (no API key)
-CONTROL_FD_ENV = "SNCA_MODEL_CONTROL_FD"  # the model process writes JSON lines here
-DATA_FD_ENV = "SNCA_MODEL_DATA_FD"  # its end of the job socket
 RESTART_BACKOFF_S = (0.2, 1.0, 5.0)  # after the 1st, 2nd, 3rd+ death in a row
 WATCH_S = 0.5  # how often the watchdog looks at the jobs in flight
 PING_S = 1.0  # an idle model process is asked for its version this often (a ping)
-SOCKET_BUFFER = 4 << 20
 
 
 class RemoteRuntime(Runtime):
@@ -130,35 +126,16 @@ class RemoteRuntime(Runtime):
                 raise RuntimeError(msg.get("error") or "the model process stopped")
 
     def _spawn(self) -> tuple[subprocess.Popen, socket.socket, int]:
-        front, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for s in (front, child):
-            with contextlib.suppress(OSError):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-        ctl_r, ctl_w = os.pipe()
+        """A model process (the one `snca-serve` spawned early, the first time), configured
+        with these settings (without any API key: service/model/spawn.py strips them)."""
         dump = self.settings.model_dump(
             mode="json", exclude={"api_key", "api_key_file", "api_keys", "api_keys_file"}
         )
         dump["store_is_default"] = self.settings.store_is_default
-        env = {
-            **os.environ,
-            SETTINGS_ENV: json.dumps(dump),
-            CONTROL_FD_ENV: str(ctl_w),
-            DATA_FD_ENV: str(child.fileno()),
-        }
-        for name in [k for k in env if k.upper().startswith("SNCA_API_KEY")]:
-            del env[name]  # the model process needs no key (SNCA_API_KEY[S][_FILE], any case)
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "service.model_process"],
-                env=env,
-                pass_fds=(ctl_w, child.fileno()),
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            os.close(ctl_w)
-            child.close()
-        return proc, front, ctl_r
+        child = spawn.take()
+        with contextlib.suppress(OSError):  # (it died first: the supervisor sees it exit)
+            child.configure(json.dumps(dump))
+        return child.proc, child.sock, child.ctl
 
     def _supervise(self) -> None:
         """The supervisor thread: start the model process, relay what it says, and when it
