@@ -155,18 +155,23 @@ def save_model(
     return fp
 
 
+def check_format_version(where, kind: str, found, supported, hint: str = "") -> None:
+    """Every artifact carries its format's version: one this code does not read is refused,
+    naming the file, what it holds and the version this code reads (`hint`: what to do)."""
+    if found != supported:
+        raise ArtifactError(
+            f"{where}: {kind} format_version {found!r} is not supported "
+            f"(this version reads {supported}){hint}"
+        )
+
+
 def load_model_card(directory: str | os.PathLike) -> tuple[ModelConfig, str]:
     """Read model.json -> (ModelConfig, fingerprint)."""
     path = Path(directory) / MODEL_CARD
     card = read_json(path)
     if not isinstance(card, dict) or "config" not in card or "fingerprint" not in card:
         raise ArtifactError(f"{path} is not a model card (needs 'config' and 'fingerprint')")
-    version = card.get("format_version")
-    if version != MODEL_FORMAT_VERSION:
-        raise ArtifactError(
-            f"{path}: model format_version {version!r} is not supported "
-            f"(this version reads {MODEL_FORMAT_VERSION})"
-        )
+    check_format_version(path, "model", card.get("format_version"), MODEL_FORMAT_VERSION)
     try:
         cfg = ModelConfig.from_dict(card["config"])
     except ArtifactError as e:
@@ -219,11 +224,9 @@ def save_memory_bank(
 
 def load_memory_bank(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors, meta = read_safetensors(path)
-    if meta.get("format_version") != str(MEMORY_FORMAT_VERSION):
-        raise ArtifactError(
-            f"{path}: memory bank format_version {meta.get('format_version')!r} is not supported "
-            f"(this version reads {MEMORY_FORMAT_VERSION})"
-        )
+    check_format_version(
+        path, "memory bank", meta.get("format_version"), str(MEMORY_FORMAT_VERSION)
+    )
     missing = {"embeddings", "labels", "indices"} - set(tensors)
     if missing:
         raise ArtifactError(f"{path}: memory bank lacks tensors {sorted(missing)}")

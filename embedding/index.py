@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .artifacts import atomic_write_json, read_json
+from .artifacts import atomic_write_json, check_format_version, read_json
 from .errors import ArtifactError
 
 INDEX_FORMAT_VERSION = 1
@@ -104,12 +104,10 @@ class IndexManifest:
         """Validate a parsed manifest.json; unknown keys (a newer builder's) are ignored."""
         if not isinstance(d, dict):
             raise ArtifactError(f"{where} is not a JSON object")
-        version = d.get("format_version")
-        if version != INDEX_FORMAT_VERSION:
-            raise ArtifactError(
-                f"{where}: index format_version {version!r} is not supported "
-                f"(this version reads {INDEX_FORMAT_VERSION}); rebuild it with snca-build-index"
-            )
+        check_format_version(
+            where, "index", d.get("format_version"), INDEX_FORMAT_VERSION,
+            "; rebuild it with snca-build-index",
+        )  # fmt: skip
         missing = [k for k in cls.REQUIRED if k not in d]
         if missing:
             raise ArtifactError(f"{where} lacks {', '.join(missing)}")

@@ -1,5 +1,5 @@
 """The OpenAPI document as the running server enforces it (schemathesis checks it with
-`--checks all`, tests/service/test_fuzz.py): the security requirement of each route under
+`--checks all`, tests/service/http/test_fuzz.py): the security requirement of each route under
 this server's key settings, every error as problem details, the statuses any route can
 answer, and the form limits of these settings."""
 
@@ -17,12 +17,19 @@ from service.http.schemas import ErrorBody
 
 PROBLEM = {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
 
-# What any route can answer, whatever it does (the middleware and GuardedRoute).
+# What any route can answer, whatever it does (the middleware and GuardedRoute). The statuses
+# shared by a kind of route are documented here, once; a route's `responses` name only its own
+# (400 undecodable image, 404, 413 limits, 429 of its own).
 EVERY_ROUTE = {
     "400": "malformed request, or a Host header this server does not answer to",
     "422": "invalid or unknown query parameter",
     "503": "not ready",
 }
+WITH_BODY = {  # a route that reads an upload (multipart)
+    "408": "the body arrived too slowly",
+    "415": "not an image",
+}
+WRITE_503 = "not ready, or the gallery store cannot be written (nothing was changed)"
 
 # Read-your-writes across replicas (deps.wait_for_version), taken by every route that reads
 # or writes the gallery (not by the public health, readiness and metrics routes).
@@ -80,6 +87,11 @@ def build(app: FastAPI, settings: Settings, keys: KeyRing | None = None) -> dict
                     )
             elif level == "write" and not keys.enabled:
                 responses.setdefault("403", {"description": "a write from another web origin"})
+            if level == "write":
+                responses.setdefault("503", {"description": WRITE_503})
+            if "multipart/form-data" in op.get("requestBody", {}).get("content", {}):
+                for code, desc in WITH_BODY.items():
+                    responses.setdefault(code, {"description": desc})
             for code, desc in EVERY_ROUTE.items():
                 responses.setdefault(code, {"description": desc})
             if level != "public":

@@ -1,5 +1,5 @@
 """The one interface every gallery store backend implements (service/store/sqlite.py,
-service/store/postgres.py; tests/service/test_store_contract.py runs the same cases against
+service/store/postgres.py; tests/service/store/test_store_contract.py runs the same cases against
 both), and the parts they share: the writes, decoding rows into records, the point-in-time
 reader."""
 
@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from embedding.errors import ArtifactError
 from embedding.gallery import utc_now
 from service.store import sql
 from service.store.records import (
@@ -54,6 +55,24 @@ class Store(ABC):
     @abstractmethod
     def claims(cls, target: str | Path) -> bool:
         """Whether `target` (SNCA_STORE) names a store of this backend."""
+
+    def _take(self, meta: dict[str, str], model_fingerprint: str, index_id: str, *,
+              other_model: str, new_place: str) -> None:  # fmt: skip
+        """Serve this store only if it belongs to the served model and was seeded from its
+        index build (each backend says how to fix a mismatch: `other_model`, `new_place`)."""
+        if meta.get("model_fingerprint") != model_fingerprint:
+            raise ArtifactError(
+                f"gallery store {self.url} belongs to model "
+                f"{meta.get('model_fingerprint', '?')[:19]}..., not to the served model "
+                f"{model_fingerprint[:19]}...: {other_model}"
+            )
+        if meta.get("index_id") != index_id:
+            raise ArtifactError(
+                f"gallery store {self.url} was seeded from another index build "
+                f"({meta.get('index_id')}) than {index_id}: use the matching index dir or "
+                f"{new_place}"
+            )
+        self.dim = int(meta.get("dim", "0"))
 
     # ------------------------------------------------------------------ reads
     @abstractmethod

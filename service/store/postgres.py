@@ -156,25 +156,17 @@ class PostgresStore(Store):
             meta = self.meta()
         except records.StoreUnavailable as e:
             raise ArtifactError(f"cannot use the gallery store {self.url}: {e}") from None
-        if meta.get("model_fingerprint") != model_fingerprint:
-            raise ArtifactError(
-                f"gallery store {self.url} belongs to model "
-                f"{meta.get('model_fingerprint', '?')[:19]}..., not to the served model "
-                f"{model_fingerprint[:19]}...: build this model's gallery beside it first "
-                "(snca-gallery upgrade --to THIS_RUN_DIR), or use a new database"
-            )
-        if meta.get("index_id") != index_id:
-            raise ArtifactError(
-                f"gallery store {self.url} was seeded from another index build "
-                f"({meta.get('index_id')}) than {index_id}: use the matching index dir or a new "
-                "database"
-            )
+        self._take(
+            meta, model_fingerprint, index_id,
+            other_model="build this model's gallery beside it first (snca-gallery upgrade "
+            "--to THIS_RUN_DIR), or use a new database",
+            new_place="a new database",
+        )  # fmt: skip
         if meta.get("schema_version") != str(STORE_SCHEMA_VERSION):
             raise ArtifactError(
                 f"gallery store {self.url} has schema {meta.get('schema_version')}; this version "
                 f"reads {STORE_SCHEMA_VERSION}"
             )
-        self.dim = int(meta.get("dim", "0"))
 
     # ------------------------------------------------------------------ as found (tools)
     @classmethod
@@ -391,18 +383,12 @@ class PostgresStore(Store):
                     out = fn(self._conn)
                     ran = True
                 return out
-            except self.psycopg.OperationalError as e:
-                self._drop()
-                if ran:
-                    raise records.CommitUnknown(
-                        f"the gallery store {self.url} failed while committing: {self._say(e)}"
-                    ) from None
-                raise records.StoreUnavailable(
-                    f"the gallery store {self.url} failed: {self._say(e)}"
-                ) from None
             except self.psycopg.Error as e:
-                if ran:  # (an error of the commit itself, of any kind)
+                # a lost connection is dropped (the next call reconnects); so is one whose
+                # commit failed, of any kind: its outcome is unknown to the caller
+                if ran or isinstance(e, self.psycopg.OperationalError):
                     self._drop()
+                if ran:
                     raise records.CommitUnknown(
                         f"the gallery store {self.url} failed while committing: {self._say(e)}"
                     ) from None

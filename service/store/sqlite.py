@@ -114,19 +114,11 @@ class SqliteStore(Store):
             probe = open_store(self.path, readonly=True)  # schema version check
             probe.close()
             self.conn = self._open_writable()
-        meta = read_meta(self.conn)
-        if meta.get("model_fingerprint") != model_fingerprint:
-            raise ArtifactError(
-                f"gallery store {self.path} belongs to model {meta.get('model_fingerprint', '?')[:19]}"
-                f"..., not to the served model {model_fingerprint[:19]}...: point SNCA_STORE at a "
-                "new file, or re-embed the gallery for this model"
-            )
-        if meta.get("index_id") != index_id:
-            raise ArtifactError(
-                f"gallery store {self.path} was seeded from another index build "
-                f"({meta.get('index_id')}) than {index_id}: use the matching index dir or a new store"
-            )
-        self.dim = int(meta.get("dim", "0"))
+        self._take(
+            read_meta(self.conn), model_fingerprint, index_id,
+            other_model="point SNCA_STORE at a new file, or re-embed the gallery for this model",
+            new_place="a new store",
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ as found (tools)
     @classmethod

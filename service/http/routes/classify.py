@@ -16,21 +16,16 @@ from service.gallery.query import VoteQuery
 from service.http.deps import GuardedRoute, access, ready_state
 from service.http.inputs import missing, read_form
 from service.http.problems import Problem
-from service.http.schemas import BatchResult, ClassifyResult, ErrorBody
+from service.http.schemas import BatchResult, ClassifyResult
 from service.model.runtime import Answer
 from service.state import ServiceState
 
 router = APIRouter(tags=["classify"], route_class=GuardedRoute)
 
-ERRORS = {
-    400: {"model": ErrorBody, "description": "undecodable image or malformed multipart body"},
-    401: {"model": ErrorBody, "description": "missing or wrong API key (SNCA_PROTECT_READS)"},
-    404: {"model": ErrorBody, "description": "a label in the `labels` filter is unknown"},
-    408: {"model": ErrorBody, "description": "the body arrived too slowly"},
-    413: {"model": ErrorBody, "description": "body, image or the request's pixels too large"},
-    415: {"model": ErrorBody, "description": "not an image"},
-    422: {"model": ErrorBody, "description": "invalid or unknown query parameter, missing image"},
-    503: {"model": ErrorBody, "description": "not ready"},
+ERRORS = {  # (what every route or upload answers: service/http/openapi.py)
+    400: {"description": "undecodable image or malformed multipart body"},
+    404: {"description": "a label in the `labels` filter is unknown"},
+    413: {"description": "body, image or the request's pixels too large"},
 }
 
 

@@ -27,7 +27,6 @@ from service.http.routes.classify import thumbnail_url
 from service.http.schemas import (
     AddResult,
     DeleteResult,
-    ErrorBody,
     ItemInfo,
     ItemsPage,
     LabelDiagnostics,
@@ -60,27 +59,9 @@ LabelCursor = Annotated[
     ),
 ]
 
-READ_ERRORS = {
-    401: {"model": ErrorBody, "description": "missing or wrong API key (SNCA_PROTECT_READS)"},
-    422: {"model": ErrorBody, "description": "invalid or unknown query parameter"},
-    503: {"model": ErrorBody, "description": "not ready"},
-}
-WRITE_ERRORS = {
-    400: {"model": ErrorBody, "description": "undecodable image or malformed multipart body"},
-    401: {"model": ErrorBody, "description": "missing or wrong API key"},
-    403: {"model": ErrorBody, "description": "a write from another web origin (no key set)"},
-    408: {"model": ErrorBody, "description": "the body arrived too slowly"},
-    413: {"model": ErrorBody, "description": "too many or too large images / metadata"},
-    415: {"model": ErrorBody, "description": "not an image"},
-    422: {
-        "model": ErrorBody,
-        "description": "invalid field or unknown query parameter, or an Idempotency-Key used "
-        "before for another request",
-    },
-    503: {
-        "model": ErrorBody,
-        "description": "not ready, or the gallery store cannot be written (nothing was changed)",
-    },
+UPLOAD_ERRORS = {  # (what every route, write or upload answers: service/http/openapi.py)
+    400: {"description": "undecodable image or malformed multipart body"},
+    413: {"description": "too many or too large images / metadata"},
 }
 
 
@@ -127,7 +108,7 @@ def _add_body() -> dict:
     "/add",
     status_code=201,
     response_model=AddResult,
-    responses={**WRITE_ERRORS, 201: {"description": "added; Location: the first new item"}},
+    responses={**UPLOAD_ERRORS, 201: {"description": "added; Location: the first new item"}},
     summary="Register images under a label (new or existing); classifiable on return",
     openapi_extra=access("write", requestBody=_add_body(), parameters=[IDEMPOTENCY_PARAMETER]),
 )
@@ -204,7 +185,6 @@ async def _added_before(state, keyed: Keyed, digest: str, seq: int, outcome: dic
 @router.get(
     "/labels",
     response_model=LabelsResult,
-    responses=READ_ERRORS,
     summary="Labels with their live item counts, by name (paginated)",
     openapi_extra=access("read"),
 )
@@ -236,10 +216,8 @@ async def labels(
     "/diagnostics",
     response_model=LabelDiagnostics,
     responses={
-        **READ_ERRORS,
-        404: {"model": ErrorBody, "description": "no such label"},
+        404: {"description": "no such label"},
         429: {
-            "model": ErrorBody,
             "description": "SNCA_DIAGNOSTICS_CONCURRENCY calls run and as many wait: retry later",
         },
     },
@@ -284,7 +262,6 @@ def _info(r: ItemRow) -> ItemInfo:
 @router.get(
     "/items",
     response_model=ItemsPage,
-    responses=READ_ERRORS,
     summary="Live items in id order (of one label), a page at a time",
     openapi_extra=access("read"),
 )
@@ -310,7 +287,7 @@ async def items(
 @router.get(
     "/items/{item_id}",
     response_model=ItemInfo,
-    responses={**READ_ERRORS, 404: {"model": ErrorBody, "description": "no such live item"}},
+    responses={404: {"description": "no such live item"}},
     summary="One gallery item: label, source, metadata, when added, thumbnail URL",
     openapi_extra=access("read"),
 )
@@ -326,7 +303,7 @@ def _delete_route(path: str, summary: str):
     return router.delete(
         path,
         response_model=DeleteResult,
-        responses=WRITE_ERRORS | {404: {"model": ErrorBody, "description": "nothing to delete"}},
+        responses={404: {"description": "nothing to delete"}},
         summary=summary,
         openapi_extra=access("write", parameters=[IDEMPOTENCY_PARAMETER]),
     )
@@ -381,8 +358,7 @@ async def delete_item(request: Request, state: StateDep, item_id: ItemId):
     responses={
         200: {"content": {"image/png": {}, "image/jpeg": {}}, "description": "the thumbnail"},
         304: {"description": "not modified (If-None-Match): the item is still live"},
-        404: {"model": ErrorBody, "description": "no such live item, or no thumbnail kept"},
-        **{c: e for c, e in READ_ERRORS.items()},
+        404: {"description": "no such live item, or no thumbnail kept"},
     },
     response_class=Response,
     summary="A gallery item's thumbnail (private cache, revalidated: a deleted item's is gone)",
