@@ -9,7 +9,7 @@ OUT ?= runs/demo
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run train test install data browser postgres lint bench reproduce stress audit clean
+.PHONY: run train test install data browser postgres lint bench reproduce stress audit docs clean
 
 TRAIN_ARGS = --dataset fashion-mnist --arch conv4 --loss nca --epochs $(EPOCHS) --out $(OUT) --overwrite
 # The model is reused when OUT holds a finished run of EPOCHS epochs (RETRAIN=1 retrains).
@@ -71,7 +71,7 @@ data:
 		echo "no apt-get: Fashion-MNIST will be downloaded by torchvision on first use"; \
 	fi
 
-# Debian's Chromium for the browser tests (tests/service/test_browser.py, driven by Playwright),
+# Debian's Chromium for the browser tests (tests/service/http/test_browser.py, driven by Playwright),
 # and curl for the README's examples (tests/service/test_readme_examples.py runs them).
 browser:
 	@if [ -x /usr/bin/chromium ] && command -v curl >/dev/null; then echo "Chromium: /usr/bin/chromium"; \
@@ -116,12 +116,12 @@ HISTORY_SECONDS ?= 240
 CARRY_EXAMPLES ?= 600
 stress: install data browser postgres
 	test -d runs/bench-conv4/index || $(PY) benchmarks/service_load.py --prepare
-	SNCA_CARRY_EXAMPLES=$(CARRY_EXAMPLES) $(PY) -m pytest -q -s tests/service/test_carry_model.py
+	SNCA_CARRY_EXAMPLES=$(CARRY_EXAMPLES) $(PY) -m pytest -q -s tests/service/store/test_carry_model.py
 	for i in $$(seq $(HISTORY_SEEDS)); do \
 		SNCA_HISTORY_SECONDS=$(HISTORY_SECONDS) $(PY) -m pytest -q -s tests/service/test_history.py \
 		|| exit 1; done
 	SNCA_STRESS_ROUNDS=$(STRESS_ROUNDS) SNCA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SNCA_REPLICA_SECONDS=60 \
-		$(PY) -m pytest -q -s tests/service/test_faults.py tests/service/test_fuzz.py \
+		$(PY) -m pytest -q -s tests/service/test_faults.py tests/service/http/test_fuzz.py \
 		tests/service/test_hostile.py tests/service/test_replicas.py
 	$(PY) benchmarks/soak.py --minutes $(SOAK_MINUTES) --json docs/soak.json
 
@@ -133,6 +133,11 @@ audit: install
 bench: install ## benchmarks/train_step.py (results go in docs/PERFORMANCE.md)
 	$(PY) benchmarks/train_step.py
 
+# The documentation site (mkdocs.yml: README.md as its home, docs/ as its pages) into site/;
+# `$(VENV)/bin/mkdocs serve` previews it while editing.
+docs: install ## build the documentation site into site/ (strict: a dead link fails)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 # Build outputs only: the galleries in data/ (what users registered) are never removed here.
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache *.egg-info

@@ -7,7 +7,7 @@ The server runs as the Docker image runs it, bound to 0.0.0.0 (the allowed Host 
 loopback's and this host's own), with SNCA_MAX_CONNECTIONS=100 (to show the cap without opening
 1,000 sockets) and SNCA_HEADER_TIMEOUT_S=10 / SNCA_BODY_TIMEOUT_S=60 (the defaults); a temporary
 data dir. The attacks of issue 27 that need several processes, a PostgreSQL store or a rolling
-upgrade are regression tests (tests/service/test_migration.py, test_replicas.py,
+upgrade are regression tests (tests/service/store/test_migration.py, test_replicas.py,
 test_exposure.py, test_gallery_tool.py), whose figures RELIABILITY.md quotes.
 """
 

@@ -85,6 +85,20 @@ def short_run(models):
     return models.run(**SHORT)
 
 
+BASE = "1,5,7,8,9"  # Trouser, Sandal, Sneaker, Bag, Ankle boot; T-shirt (0) is added at run time
+
+# ~25 s: a tiny model of five base classes with its index (most service tests serve it, and
+# the benchmark tools' tests)
+BASE_RUN = dict(classes=BASE, subset=2000, val_size=200, epochs=2, batch_size=64)
+
+
+@pytest.fixture(scope="session")
+def base_run(models):
+    """The base model's run dir, its index dir at run/index."""
+    run, _ = models.run(index=True, **BASE_RUN)
+    return run
+
+
 def run_cli(module: str, *args, env=None, timeout=3600):
     """Run `python -m <module> args` as users do; return the CompletedProcess."""
     import subprocess
@@ -112,15 +126,15 @@ LONG_FILES = (
     "tests/service/test_replicas.py",
     "tests/service/test_history.py",
     "tests/service/test_faults.py",
-    "tests/service/test_day_two.py",
+    "tests/service/store/test_day_two.py",
     "tests/service/test_integration.py",
-    "tests/service/test_gallery_lifetime.py",
-    "tests/service/test_fuzz.py",
-    "tests/service/test_model_process.py",
-    "tests/service/test_migration.py",
-    "tests/service/test_hardening.py",
+    "tests/service/store/test_gallery_lifetime.py",
+    "tests/service/http/test_fuzz.py",
+    "tests/service/model/test_model_process.py",
+    "tests/service/store/test_migration.py",
+    "tests/service/http/test_hardening.py",
     "tests/service/test_colour_photos.py",
-    "tests/service/test_gallery_tool.py",
+    "tests/service/tools/test_gallery_tool.py",
 )
 
 

@@ -1,7 +1,7 @@
 """The kde vote compiled for the service's hot path: queries against every gallery row, the
 per-label densities and the top labels in one TorchScript call, which runs without the GIL
 (one hand-off per batch instead of one per operation). Same results as embedding.votes.Kde
-(tests/service/test_gallery_vote.py); serving-only, so it lives here, not in embedding/."""
+(tests/service/gallery/test_gallery_vote.py); serving-only, so it lives here, not in embedding/."""
 
 from __future__ import annotations
 

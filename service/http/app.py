@@ -43,7 +43,7 @@ are configured (`SNCA_API_KEY`, `SNCA_API_KEYS`, `SNCA_API_KEYS_FILE`); a key of
 may use every read route and gets 403 `insufficient_scope` on writes (reads need a key when a
 read key is configured, or with `SNCA_PROTECT_READS`). Without any key, writes are accepted only
 from this server's own page, not from other web origins. Every error is RFC 9457 problem details
-(`application/problem+json`) with a stable `code` (README, "Errors").
+(`application/problem+json`) with a stable `code` (docs/serving.md, "Errors").
 """
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}

@@ -23,7 +23,7 @@ from service.logs import request_id
 
 PROBLEM_JSON = "application/problem+json"
 
-# Every `code` the service sends, with what it means (README's error table is made from this).
+# Every `code` the service sends, with what it means (docs/serving.md's error table lists them).
 CODES = {
     "bad_request": "the request is malformed (the detail says how)",
     "multipart_invalid": "the multipart/form-data body is malformed",

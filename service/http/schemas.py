@@ -242,7 +242,9 @@ class ErrorBody(BaseModel):
     title: str = Field(..., description="the status's phrase")
     status: int
     detail: str = Field(..., description="what went wrong, for a person")
-    code: str = Field(..., description="why, for a program: a stable code (README's table)")
+    code: str = Field(
+        ..., description="why, for a program: a stable code (docs/serving.md, Errors)"
+    )
     request_id: str = Field(..., description="the X-Request-ID of the request (logs have it)")
     committed: bool | None = Field(
         None,

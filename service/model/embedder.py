@@ -136,7 +136,7 @@ class Preprocessing:
         self.geometry = eval_geometry(config)
         # JPEGs decode at a reduced scale while both sides stay >= twice the resize target:
         # the antialiased resize that follows then sees >= 2x its output, as from a full decode
-        # (embeddings within 1e-3 of the full decode's, tests/service/test_embedder.py)
+        # (embeddings within 1e-3 of the full decode's, tests/service/model/test_embedder.py)
         self.decode_side = 2 * resize_side(config)
         self.dim = dim
         self.world_dim = world_dim  # statistics after the vector in each row (0: none)

@@ -1,6 +1,6 @@
 """Every file a document names exists: README.md and docs/*.md name code, tests, benchmarks and
 figures by their path in the repository (`service/store/carry.py`,
-`tests/service/test_wire.py::test_...`); a renamed or removed file makes the sentence that
+`tests/service/model/test_wire.py::test_...`); a renamed or removed file makes the sentence that
 points at it false. A path is a repository folder, slashes and a file name with an extension;
 placeholders (`<rule>`, `*`) and generated outputs (under runs/) are not paths."""
 
@@ -47,10 +47,10 @@ def test_every_path_a_document_names_exists():
 
 
 def test_the_check_finds_paths():
-    text = "see `service/store/carry.py`, tests/service/test_wire.py::test_x and docs/figures/a.png"
+    text = "see `service/store/carry.py`, tests/service/model/test_wire.py::test_x and docs/figures/a.png"
     assert named_paths(text) == {
         "service/store/carry.py",
-        "tests/service/test_wire.py",
+        "tests/service/model/test_wire.py",
         "docs/figures/a.png",
     }
     assert not named_paths("embedding/votes/<rule>.py, a run's runs/x/service/a.py")

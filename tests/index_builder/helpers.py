@@ -32,7 +32,7 @@ def make_run_dir(
     """A run dir with a (random) conv4 model of embedding dim `dim` and the given memory bank;
     with its world statistics (as snca-train writes them) unless `world` is False: without
     them every build fits them on 20,000 Fashion-MNIST images (18 s a build), which these
-    tests of the index do not need (tests/service/test_world.py tests that path)."""
+    tests of the index do not need (tests/service/gallery/test_world.py tests that path)."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = ModelConfig(
         embedding_dim=dim or emb.shape[1], class_names=[f"class{i}" for i in range(num_classes)]

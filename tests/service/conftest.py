@@ -15,18 +15,6 @@ from PIL import Image
 
 from embedding.datasets import load_raw
 
-BASE = "1,5,7,8,9"  # Trouser, Sandal, Sneaker, Bag, Ankle boot; T-shirt (0) is added at run time
-
-
-# ~25 s: a tiny model of five base classes with its index (most service tests serve it)
-BASE_RUN = dict(classes=BASE, subset=2000, val_size=200, epochs=2, batch_size=64)
-
-
-@pytest.fixture(scope="session")
-def base_run(models):
-    run, _ = models.run(index=True, **BASE_RUN)
-    return run
-
 
 @pytest.fixture(scope="session")
 def fmnist_test():

@@ -1,7 +1,7 @@
 """Galleries of several fake models on one home store, for the in-process checks of the carry
 engine and its endings (no torch: a model is a seed store of trained items and an embedding
-that hashes the image bytes). Shared by tests/service/test_carry_model.py and
-tests/service/test_day_two_fences.py."""
+that hashes the image bytes). Shared by tests/service/store/test_carry_model.py and
+tests/service/store/test_day_two_fences.py."""
 
 from __future__ import annotations
 

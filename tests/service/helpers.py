@@ -19,7 +19,7 @@ from .conftest import Server, png
 
 def make_client(run, data_dir, **kw):
     """The app in this process. The model on a thread (a TestClient tests the routes); the
-    same routes through a model process: tests/service/test_model_process.py, which holds
+    same routes through a model process: tests/service/model/test_model_process.py, which holds
     every route's answers in both modes equal."""
     kw.setdefault("model_process", False)
     app = create_app(Settings(model=run, data_dir=data_dir, **kw))

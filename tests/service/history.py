@@ -13,7 +13,7 @@ Anchors: Jepsen's history checking (Elle), FoundationDB's simulation, TigerBeetl
     journal             every operation: when it was sent and answered, its outcome (ok,
                         failed: nothing changed, unknown: the answer was lost)
 
-At the end the faults stop, a killed command is run again (what the README says to do), every
+At the end the faults stop, a killed command is run again (what docs/operations.md says to do), every
 add whose outcome is unknown is retried with its key (answered with its first outcome, or made
 now), and the live gallery is read from its store:
 - a live gallery exists and is the only one that takes writes (also sampled during the run);
@@ -341,7 +341,7 @@ class Nemesis(threading.Thread):
         self.cluster, self.journal, self.raw, self.pg = cluster, journal, raw, pg
         self.rng = random.Random(seed)
         self.stop = threading.Event()
-        # a command killed or failed (to run again, as the README says), the one running
+        # a command killed or failed (to run again, as docs/operations.md says), the one running
         self.pending: tuple[str, tuple] | None = None
         self.running: tuple[subprocess.Popen, str, tuple, float | None] | None = None
         self.counts: Counter = Counter()

@@ -125,7 +125,7 @@ def test_no_acknowledged_write_is_lost_under_random_faults(
 
 def settle(cluster: Cluster, nemesis: Nemesis, pg) -> None:
     """The faults are over: everything continued, PostgreSQL up, a killed command run again
-    (what the README says to do); it must succeed."""
+    (what docs/operations.md says to do); it must succeed."""
     import contextlib
 
     for pid in list(cluster.stopped):

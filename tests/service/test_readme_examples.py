@@ -1,27 +1,52 @@
-"""Every curl example of the README, as pasted, against a real server: each runs (curl exit 0)
-and answers no problem. The examples name runs/demo/examples/ (what `make run` writes) and
-port 8000; here they run in a directory holding those files, against a free port."""
+"""Every curl example of the README and of the documentation site's pages, as pasted, against a
+real server: each runs (curl exit 0) and answers no problem. The examples name
+runs/demo/examples/ (what `make run` writes) and port 8000; here they run in a directory holding
+those files, against a free port."""
 
 import json
 import re
 import subprocess
 from pathlib import Path
 
+import yaml
+
 from service.tools.examples import write_examples
 
 from .conftest import Server
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def site_pages() -> list[Path]:
+    """README.md (the site's home), then every page of mkdocs.yml's navigation in its order."""
+
+    def walk(nav):
+        for entry in nav:
+            for value in entry.values() if isinstance(entry, dict) else [entry]:
+                yield from walk(value) if isinstance(value, list) else [value]
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    return [ROOT / "README.md"] + [ROOT / "docs" / p for p in walk(nav) if p != "index.md"]
+
+
+def curl_commands(text: str) -> list[str]:
+    """The shell lines of the code blocks of `text` that call curl, continuation lines joined,
+    in order."""
+    out = []
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S):
+        block = re.sub(r"\\\n\s*", " ", block)
+        out += [line.strip() for line in block.splitlines() if re.search(r"\bcurl ", line)]
+    return out
 
 
 def readme_curl_commands() -> list[str]:
-    """The shell lines of the README's code blocks that call curl, continuation lines joined,
-    in the README's order."""
-    out = []
-    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", README.read_text(), re.S):
-        text = re.sub(r"\\\n\s*", " ", block)
-        out += [line.strip() for line in text.splitlines() if re.search(r"\bcurl ", line)]
-    return out
+    return [c for page in site_pages() for c in curl_commands(page.read_text())]
+
+
+def test_the_examples_are_found_on_the_readme_and_the_pages():
+    pages = {p.name: curl_commands(p.read_text()) for p in site_pages()}
+    assert len(pages["README.md"]) >= 3 and len(pages["serving.md"]) >= 4
+    assert any("X-Min-Gallery-Version" in c for c in pages["operations.md"])
 
 
 def test_every_curl_example_of_the_readme_runs_as_pasted(base_run, tmp_path):

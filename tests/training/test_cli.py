@@ -18,6 +18,9 @@ TINY = [
 ]
 
 
+FOLDER = ("--dataset", "imagefolder", "--data-dir")  # then the folder
+
+
 def _fails(proc, *needles):
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -61,15 +64,7 @@ def test_config_file_unknown_key_and_missing_file(tmp_path):
 
 def test_missing_and_corrupt_data_files_are_named(tmp_path):
     _fails(
-        run_cli(
-            "training",
-            "--dataset",
-            "imagefolder",
-            "--data-dir",
-            tmp_path / "nope",
-            "--out",
-            tmp_path / "r",
-        ),
+        run_cli("training", *FOLDER, tmp_path / "nope", "--out", tmp_path / "r"),
         "does not exist",
     )
     bad = tmp_path / "data"
@@ -121,17 +116,7 @@ def test_class_filter_that_leaves_nothing(tmp_path):
     (root / "empty").mkdir()
     Image.new("RGB", (8, 8)).save(root / "a" / "x.png")
     _fails(
-        run_cli(
-            "training",
-            "--dataset",
-            "imagefolder",
-            "--data-dir",
-            root,
-            "--classes",
-            "empty",
-            "--out",
-            tmp_path / "r",
-        ),
+        run_cli("training", *FOLDER, root, "--classes", "empty", "--out", tmp_path / "r"),
         "leaves no",
     )
 

@@ -175,20 +175,8 @@ def test_kill_then_resume_equals_uninterrupted_run(tmp_path):
 @pytest.mark.slow
 def test_softmax_baseline_run(tmp_path):
     out = tmp_path / "softmax"
-    p = run_cli(
-        "training",
-        "--loss",
-        "softmax",
-        "--subset",
-        "2000",
-        "--val-size",
-        "400",
-        "--epochs",
-        "2",
-        "--out",
-        out,
-        "--no-progress",
-    )
+    args = "--loss softmax --subset 2000 --val-size 400 --epochs 2 --no-progress"
+    p = run_cli("training", *args.split(" "), "--out", out)
     assert p.returncode == 0, p.stderr
     assert "validation softmax top-1" in p.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -215,23 +203,8 @@ def test_softmax_baseline_run(tmp_path):
 @pytest.mark.slow
 def test_coarse_run_keeps_fine_labels(tmp_path):
     out = tmp_path / "coarse"
-    p = run_cli(
-        "training",
-        "--coarse",
-        "--classes",
-        "0,1,5,8",
-        "--subset",
-        "800",
-        "--val-size",
-        "100",
-        "--epochs",
-        "1",
-        "--batch-size",
-        "64",
-        "--out",
-        out,
-        "--no-progress",
-    )
+    args = "--coarse --classes 0,1,5,8 --subset 800 --val-size 100 --epochs 1 --batch-size 64"
+    p = run_cli("training", *args.split(" "), "--no-progress", "--out", out)
     assert p.returncode == 0, p.stderr
     model = load_model(out)
     assert model.config.class_names == ["tops", "trousers_dresses", "footwear", "bags"]

@@ -11,7 +11,7 @@ import pytest
 from index_builder.build import BuildConfig, build
 from service.tools.examples import logo, write_examples
 
-from .helpers import make_client
+from ..helpers import make_client
 
 BOUND = 0.02  # at most this share of any class's test images may go to the new label
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from tests.conftest import run_cli
 
-from .conftest import Server, of_class, png
+from ..conftest import Server, of_class, png
 
 
 def _classify(c, img, **params):

@@ -1,4 +1,4 @@
-"""schemathesis hooks for tests/service/test_fuzz.py (SCHEMATHESIS_HOOKS=tests.service.st_hooks).
+"""schemathesis hooks for tests/service/http/test_fuzz.py (SCHEMATHESIS_HOOKS=tests.service.http.st_hooks).
 
 schemathesis 4.32 makes a string "violate" a `pattern` by appending "*" and does not check
 that the result does violate it (schemathesis/specs/openapi/negative/value_channel.py,
@@ -50,7 +50,7 @@ def _version_not_applied(case, response) -> bool:
 def _key_used_before(case, response) -> bool:
     """A schema-valid Idempotency-Key that an earlier generated request already used, with
     other content: the documented 422 idempotency_key_reused depends on what the server saw
-    before, not on the request's shape (tests/service/test_routes.py tests it)."""
+    before, not on the request's shape (tests/service/http/test_routes.py tests it)."""
     if response is None or response.status_code != 422:
         return False
     sent = {k.lower() for k in (case.headers or {})}

@@ -14,8 +14,8 @@ from embedding.gallery import STORE_SCHEMA_VERSION
 from embedding.index import STORE_FILE
 from tests.conftest import run_cli
 
-from .conftest import of_class, png
-from .helpers import img, make_client
+from ..conftest import of_class, png
+from ..helpers import img, make_client
 
 
 @pytest.fixture(scope="module")

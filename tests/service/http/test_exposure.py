@@ -16,8 +16,8 @@ import pytest
 
 from tests.conftest import run_cli
 
-from .conftest import Server, of_class, png
-from .helpers import make_client
+from ..conftest import Server, of_class, png
+from ..helpers import make_client
 
 KEY = "exposed-key"
 SECRETS = ("s3cret-pw-123", "s3cret-ssl-456")

@@ -14,9 +14,9 @@ from PIL import Image
 
 from tests.conftest import run_cli
 
-from .conftest import of_class, png
-from .helpers import make_client
-from .photos import CUP_BOX, crops, photo, png_bytes, unrelated
+from ..conftest import of_class, png
+from ..helpers import make_client
+from ..photos import CUP_BOX, crops, photo, png_bytes, unrelated
 
 
 def _png(a: np.ndarray) -> bytes:

@@ -21,7 +21,7 @@ from service.store.galleries import alias
 from service.store.records import STANDBY, Keyed, StoreUnavailable
 from service.store.upgrade import settle
 
-from .galleries_fake import Place, closing, embedding, gen, image
+from ..galleries_fake import Place, closing, embedding, gen, image
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -63,6 +63,16 @@ def add(place: Place, gen_: str, label: str, n: int, start: int) -> list[int]:
 def delete(place: Place, gen_: str, ids=None, label=None) -> int:
     with closing(place.galleries()) as g:
         return g.open(gen_).delete(ids, label)[0]
+
+
+def killed_in(monkeypatch, cls, dying, run) -> None:
+    """`run()` with the store class's transaction replaced by `dying` (which raises
+    RuntimeError where the process would have been killed), then the real one back."""
+    real = cls.transaction
+    monkeypatch.setattr(cls, "transaction", dying)
+    with pytest.raises(RuntimeError):
+        run()
+    monkeypatch.setattr(cls, "transaction", real)
 
 
 def test_two_switches_at_once_leave_one_live_gallery_with_every_acknowledged_write(place):
@@ -144,13 +154,10 @@ def test_a_switch_killed_after_the_new_gallery_went_live_then_rerun_then_rolled_
             raise RuntimeError("killed")
         return out
 
-    monkeypatch.setattr(cls, "transaction", dies_once_live)
-    with pytest.raises(RuntimeError):
-        place.upgrade(1, True)
-    monkeypatch.setattr(cls, "transaction", real)
+    killed_in(monkeypatch, cls, dies_once_live, lambda: place.upgrade(1, True))
     assert writable(place) == [gen(1)]  # live, the alias not moved yet
     between = add(place, gen(1), "between", 20, 100)  # acknowledged by the new gallery
-    place.upgrade(1, True)  # the rerun the README recommends
+    place.upgrade(1, True)  # the rerun docs/operations.md recommends
     assert writable(place) == [gen(1)]
     with closing(place.galleries()) as g:
         assert alias(g.home)["gen"] == gen(1)
@@ -178,7 +185,7 @@ def test_a_label_or_trained_image_deleted_stays_deleted_in_another_models_index(
     """Finding 8: a deleted trained label came back with the new model's index (trained items
     were matched by dataset index, and its index held other images of the label); the same for
     a trained image deleted on a gallery whose index lacked it when passed on (found by the
-    model check, tests/service/test_carry_model.py). Now deletes leave tombstones that travel."""
+    model check, tests/service/store/test_carry_model.py). Now deletes leave tombstones that travel."""
     assert delete(place, gen(0), label="T0")
     place.upgrade(2, True)  # model 2's index: T0 images model 0's never had
     with closing(place.galleries()) as g:
@@ -216,10 +223,7 @@ def test_a_catch_up_killed_after_a_write_resumes(place, monkeypatch):
             raise RuntimeError("killed")
         return out
 
-    monkeypatch.setattr(cls, "transaction", dies_after_one_carry_write)
-    with pytest.raises(RuntimeError):
-        place.upgrade(1, False)
-    monkeypatch.setattr(cls, "transaction", real)
+    killed_in(monkeypatch, cls, dies_after_one_carry_write, lambda: place.upgrade(1, False))
     assert calls
     place.upgrade(1, True)  # resumes
     assert sorted(i for i, lab in live_added(place, gen(1)).items() if lab == "b") == later
@@ -361,7 +365,7 @@ def test_a_server_never_makes_a_gallery_beside_the_live_one(tmp_path):
     from service.store.migration import Migration, Target, plan
     from service.store.registry import locate_gallery
 
-    from .galleries_fake import DIM, embed, fingerprint, index_id
+    from ..galleries_fake import DIM, embed, fingerprint, index_id
 
     place = Place("sqlite")
     try:

@@ -12,7 +12,15 @@ import numpy as np
 
 from tests.conftest import run_cli
 
-from .conftest import Server, label_counts, of_class, png
+from ..conftest import Server, label_counts, of_class, png
+
+
+def gallery(run, data, command, *args):
+    """snca-gallery COMMAND ARGS on the served model's data dir, without progress lines."""
+    return run_cli(
+        "service.tools.gallery_tool", command, *args, "--model", run, "--data-dir", data,
+        "--no-progress",
+    )  # fmt: skip
 
 
 def _folder(root, raw):
@@ -36,16 +44,7 @@ def test_import_while_serving_resume_and_export(base_run, tmp_path, fmnist_test)
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             before = label_counts(c)
-            p = run_cli(
-                "service.tools.gallery_tool",
-                "import",
-                src,
-                "--model",
-                base_run,
-                "--data-dir",
-                data,
-                "--no-progress",
-            )
+            p = gallery(base_run, data, "import", src)
             assert p.returncode == 1, p.stderr  # one unreadable image
             assert "kicks/broken.png" in p.stderr and "imported 10" in p.stdout, p.stdout
             deadline = time.time() + 600  # the server follows the store's log
@@ -56,16 +55,7 @@ def test_import_while_serving_resume_and_export(base_run, tmp_path, fmnist_test)
             assert sum(counts.values()) == sum(before.values()) + 10
 
             # a rerun (e.g. after an interruption) adds nothing twice
-            p = run_cli(
-                "service.tools.gallery_tool",
-                "import",
-                src,
-                "--model",
-                base_run,
-                "--data-dir",
-                data,
-                "--no-progress",
-            )
+            p = gallery(base_run, data, "import", src)
             assert "imported 0, skipped 10" in p.stdout, p.stdout + p.stderr
             # the same image through HTTP embeds the same: its own nearest items are both
             r = c.post(
@@ -93,29 +83,11 @@ def test_import_while_serving_resume_and_export(base_run, tmp_path, fmnist_test)
         w = csv.writer(f)
         w.writerow(["path", "label"])
         w.writerows([[f"src/{k}", k.split("/")[0]] for k in files])
-    p = run_cli(
-        "service.tools.gallery_tool",
-        "import",
-        tmp_path / "list.csv",
-        "--model",
-        base_run,
-        "--data-dir",
-        data,
-        "--no-progress",
-    )
+    p = gallery(base_run, data, "import", tmp_path / "list.csv")
     assert p.returncode == 0 and "imported 0, skipped 10" in p.stdout, p.stdout + p.stderr
 
     out = tmp_path / "out"
-    p = run_cli(
-        "service.tools.gallery_tool",
-        "export",
-        out,
-        "--model",
-        base_run,
-        "--data-dir",
-        data,
-        "--no-progress",
-    )
+    p = gallery(base_run, data, "export", out)
     assert p.returncode == 0, p.stderr
     rows = [json.loads(x) for x in (out / "items.jsonl").read_text().splitlines()]
     assert len(rows) == total and [r["id"] for r in rows] == sorted(r["id"] for r in rows)
@@ -136,7 +108,7 @@ def test_import_while_serving_resume_and_export(base_run, tmp_path, fmnist_test)
 
 def _gallery_with_images(base_run, data, raw, labels: dict[str, int]) -> dict[str, list[int]]:
     """A data dir whose gallery holds `labels` (name -> n images, each added with its image)."""
-    from .helpers import make_client
+    from ..helpers import make_client
 
     out = {}
     with make_client(base_run, data) as c:

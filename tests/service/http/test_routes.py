@@ -10,8 +10,8 @@ import pytest
 from service.config import Settings
 from service.http.schemas import BatchResult, ClassifyResult
 
-from .conftest import of_class, png
-from .helpers import img, make_client
+from ..conftest import of_class, png
+from ..helpers import img, make_client
 
 
 @pytest.fixture()

@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import run_cli
 
-from .conftest import Server, of_class, png
+from ..conftest import Server, of_class, png
 
 
 @pytest.fixture(scope="module")

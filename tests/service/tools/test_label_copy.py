@@ -6,8 +6,8 @@ import httpx
 
 from tests.conftest import run_cli
 
-from .conftest import Server, of_class, png
-from .helpers import make_client
+from ..conftest import Server, of_class, png
+from ..helpers import make_client
 
 
 def test_migrate_added_labels_to_a_running_service(base_run, tmp_path, fmnist_test):

@@ -38,7 +38,7 @@ from service.store.migration import exclusive
 from service.store.records import CARRIED_TO, STANDBY, StoreUnavailable
 from service.store.upgrade import settle
 
-from .galleries_fake import (
+from ..galleries_fake import (
     DIM,
     TRAINED_LABELS,
     Place,

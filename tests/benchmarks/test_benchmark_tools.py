@@ -47,28 +47,16 @@ def test_batch_trace_times_batches_forward_and_vote(base_run, tmp_path):
     assert "event loop" in r["threads"], r["threads"]
 
 
+def one_second() -> list[str]:
+    """A one-second measurement on a free port."""
+    return ["--seconds", "1", "--port", str(free_port())]
+
+
 def test_ideal_model_and_empty_app_report_the_ratio(base_run):
-    p = tool(
-        "benchmarks/ideal_model.py",
-        "--model",
-        str(base_run),
-        "--seconds",
-        "1",
-        "--port",
-        str(free_port()),
-    )
+    p = tool("benchmarks/ideal_model.py", "--model", str(base_run), *one_second())
     assert p.returncode == 0, p.stderr[-2000:]
     assert "ideal model thread: p99 at half saturation" in p.stdout, p.stdout
-    p = tool(
-        "benchmarks/ideal_model.py",
-        "--empty",
-        "--burn-us",
-        "200",
-        "--seconds",
-        "1",
-        "--port",
-        str(free_port()),
-    )
+    p = tool("benchmarks/ideal_model.py", "--empty", "--burn-us", "200", *one_second())
     assert p.returncode == 0, p.stderr[-2000:]
     assert "empty ASGI app (200 us of CPU per request)" in p.stdout, p.stdout
     p = tool("benchmarks/ideal_model.py", "--burn-us", "200")

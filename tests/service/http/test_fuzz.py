@@ -3,8 +3,8 @@ service's own OpenAPI document, on a real uvicorn process: no 5xx, every respons
 content type, body, headers) as published, schema-valid requests accepted and schema-violating
 ones refused, the security requirement as enforced. Runs without a key configured, and with
 one, with and without the header. SNCA_FUZZ_EXAMPLES (50) examples per operation; `make
-stress` runs more (docs/RELIABILITY.md). tests/service/schemathesis.toml says what OpenAPI
-cannot (image validity), tests/service/st_hooks.py works around one schemathesis bug."""
+stress` runs more (docs/RELIABILITY.md). tests/service/http/schemathesis.toml says what OpenAPI
+cannot (image validity), tests/service/http/st_hooks.py works around one schemathesis bug."""
 
 import os
 import re
@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import Server
+from ..conftest import Server
 
 HERE = Path(__file__).resolve().parent
 MAX_EXAMPLES = int(os.environ.get("SNCA_FUZZ_EXAMPLES", "50"))
@@ -50,8 +50,8 @@ def schemathesis(url: str, out: Path, *extra: str) -> tuple[int, int, int, str]:
         cwd=out,
         env=dict(
             os.environ,
-            SCHEMATHESIS_HOOKS="tests.service.st_hooks",
-            PYTHONPATH=str(HERE.parents[1]),
+            SCHEMATHESIS_HOOKS="tests.service.http.st_hooks",
+            PYTHONPATH=str(HERE.parents[2]),
         ),
     )
     m = re.search(r"(\d+) generated, (\d+) passed", p.stdout)

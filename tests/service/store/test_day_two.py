@@ -24,8 +24,8 @@ from service.store import sql
 from service.store.backup import gallery_checksum, restore, verify
 from service.store.registry import backend_class
 
-from .conftest import png, replaced_model
-from .helpers import Backend
+from ..conftest import png, replaced_model
+from ..helpers import Backend
 
 FAST = {"SNCA_FUSED_BATCHES": "0", "SNCA_MAX_BATCH": "8"}
 FAST_ENV = {**FAST, "SNCA_WARMUP_SECONDS": "0"}
@@ -277,6 +277,16 @@ def test_backup_under_writes_restores_the_same_gallery(backend, base_run, tmp_pa
     assert bad.returncode == 2 and "sha256" in bad.stderr
 
 
+def writing(backend, run, dataset, seeded: int):
+    """Server A of model `run` (the writers' server), `seeded` items added, and a Writer
+    adding to it from now on."""
+    a = backend.start(run, env=FAST, model_process=False)
+    seed(a.url, dataset, seeded)
+    w = Writer(a.url, dataset)
+    w.start()
+    return a, w
+
+
 def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
     base_run, new_model, tmp_path, fmnist_train
 ):
@@ -288,10 +298,7 @@ def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
     (the same ids and labels as A's gallery, the same checksum), A is on standby. Writes on B,
     then `snca-gallery rollback`: A takes writes again and holds B's writes."""
     backend = Backend("sqlite", tmp_path)
-    a = backend.start(base_run, env=FAST, model_process=False)  # (the writers' server)
-    seed(a.url, fmnist_train, 160)
-    w = Writer(a.url, fmnist_train)
-    w.start()
+    a, w = writing(backend, base_run, fmnist_train, 160)
     b = None
     try:
         until(lambda: len(w.added) >= 5)
@@ -379,10 +386,7 @@ def test_a_new_model_started_on_postgresql_builds_its_gallery_beside_and_switche
     one while old-model server A keeps writing, switches, and serves; A turns standby; every
     write A acknowledged is on the new gallery. Then `snca-gallery rollback` switches back."""
     backend = Backend("postgresql", tmp_path, postgres)
-    a = backend.start(base_run, env=FAST, model_process=False)
-    seed(a.url, fmnist_train, 48)
-    w = Writer(a.url, fmnist_train)
-    w.start()
+    a, w = writing(backend, base_run, fmnist_train, 48)
     b = None
     try:
         until(lambda: len(w.added) >= 5)

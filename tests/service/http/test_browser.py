@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import run_cli
 
-from .conftest import Server, of_class, png
+from ..conftest import Server, of_class, png
 
 CHROMIUM = "/usr/bin/chromium"
 # Flags for a sandboxed machine with no outside network (the background services of Chromium
@@ -147,7 +147,7 @@ def test_classify_register_labels_search_in_the_browser(server, browser, tmp_pat
     assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
     phone.screenshot(path=str(tmp_path / "phone.png"), full_page=True)
     assert errors == []
-    if os.environ.get("SNCA_SCREENSHOT_DIR"):  # for the README: SNCA_SCREENSHOT_DIR=docs
+    if os.environ.get("SNCA_SCREENSHOT_DIR"):  # for docs/serving.md: SNCA_SCREENSHOT_DIR=docs
         shutil.copy(
             tmp_path / "classify.png", os.path.join(os.environ["SNCA_SCREENSHOT_DIR"], "page.png")
         )
