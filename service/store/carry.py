@@ -446,6 +446,11 @@ class Carry:
         reqs: dict[int, list] = {}
         for r in read(d.q(REQUESTS_AFTER), (after,)):
             reqs.setdefault(int(r[2]), []).append(r)
+        # A write of the source that changed none of its items is not among the changes, yet
+        # may hold tombstones and Idempotency records: a delete carried into the source from a
+        # gallery with an item the source lacks (a trained image of another model's index)
+        # deleted nothing there, and must delete it here. Each change's target write takes
+        # those of the writes up to it (the state it saves moves past them), the rest go last.
         n = 0
         for c in cs.changes:
             if c.seq <= int(st["source_seq"]):
@@ -453,9 +458,11 @@ class Carry:
             n += 1
             st["source_seq"], st["token"] = c.seq, tokens.get(c.seq)
             st["caught_up"] = int(st.get("caught_up", 0)) + 1  # (saved with this write)
+            tomb, keyed = _upto(tombs, c.seq), _upto(reqs, c.seq)
 
-            def extra(conn, seq, c=c):
-                self._copy_requests(conn, reqs.get(c.seq))
+            def extra(conn, seq, tomb=tomb, keyed=keyed):
+                self._bury(conn, seq, tomb, [])
+                self._copy_requests(conn, keyed)
 
             if c.op == "add":
                 items = stored_items(_rows_of_ids(read, d, sql.STORED_OF_IDS, c.ids))
@@ -463,18 +470,27 @@ class Carry:
             else:
                 keys = _rows_of_ids(read, d, sql.SOURCE_KEYS_OF_IDS, c.ids)
                 ids = self._map_trained([(r[0], r[1], r[2]) for r in keys])
-                tomb = tombs.get(c.seq, [])
 
-                def fn(conn, seq, ids=ids, tomb=tomb, extra=extra):
+                def fn(conn, seq, ids=ids, tomb=tomb, keyed=keyed):
                     self._bury(conn, seq, tomb, ids)
-                    extra(conn, seq)
+                    self._copy_requests(conn, keyed)
                     self._save(conn, st, seq)
 
                 self._write(fn)
         self.caught_up += n
-        if cs.last_seq > int(st["source_seq"]):  # writes that changed no item
+        if cs.last_seq > int(st["source_seq"]):  # writes after the last change
             st["source_seq"], st["token"] = cs.last_seq, tokens.get(cs.last_seq)
-            self._save_plain(st)
+            tomb, keyed = _upto(tombs, cs.last_seq), _upto(reqs, cs.last_seq)
+            if tomb or keyed:
+
+                def rest(conn, seq):
+                    self._bury(conn, seq, tomb, [])
+                    self._copy_requests(conn, keyed)
+                    self._save(conn, st, seq)
+
+                self._write(rest)
+            else:
+                self._save_plain(st)
         return n
 
     def _reconcile(self, read: Read, st: dict, last_seq: int) -> None:
@@ -534,6 +550,14 @@ class Carry:
     def forget(self, conn) -> None:
         """Inside a target write: drop this carry's state (the target replaced its source)."""
         self.target.store.set_meta(conn, state_key(self.source.gen), None)
+
+
+def _upto(by_seq: dict[int, list], seq: int) -> list:
+    """Take out of `by_seq` (source seq -> rows) every row of a write up to `seq`."""
+    out = []
+    for q in sorted(q for q in by_seq if q <= seq):
+        out += by_seq.pop(q)
+    return out
 
 
 def _key_meta(name: str) -> dict:

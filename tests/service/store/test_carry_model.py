@@ -98,6 +98,14 @@ class Crasher:
         return exc[0] is Crash  # (a crash is the test's own doing: swallowed)
 
 
+# Where an operation is killed: nowhere, or at its n-th store transaction. Most operations make
+# a few; drawing only from 1..30 left whole runs of 40 examples without one crash landing
+# inside an operation (a fresh-clone run: 0 crashes in ~190 upgrades), so early points are
+# drawn more often (a quarter of the operations), the late ones of a long carry stay possible (a
+# quarter), and half run to their end (the switches and rollbacks the assertion below wants).
+CRASH_AT = st.one_of(st.none(), st.none(), st.integers(1, 4), st.integers(1, 30))
+
+
 def make_machine(kind: str, pg=None):
     class CarryMachine(RuleBasedStateMachine):
         @initialize()
@@ -251,7 +259,7 @@ def make_machine(kind: str, pg=None):
         @rule(
             m=st.integers(0, 2),
             switch=st.booleans(),
-            crash=st.one_of(st.none(), st.integers(1, 30)),
+            crash=CRASH_AT,
             after=st.booleans(),
         )
         def upgrade(self, m, switch, crash, after):
@@ -267,7 +275,7 @@ def make_machine(kind: str, pg=None):
             if crash is not None and c.n >= crash:
                 seen("crashes")
 
-        @rule(crash=st.one_of(st.none(), st.integers(1, 30)), after=st.booleans())
+        @rule(crash=CRASH_AT, after=st.booleans())
         def rollback(self, crash, after):
             with closing(self.place.galleries()) as g:
                 a = alias(g.home)
@@ -294,7 +302,7 @@ def make_machine(kind: str, pg=None):
         @precondition(lambda self: self.place.kind == "sqlite")
         @rule(
             m=st.integers(0, 2),
-            crash=st.one_of(st.none(), st.integers(1, 30)),
+            crash=CRASH_AT,
             after=st.booleans(),
         )
         def start_with_another_model(self, m, crash, after):

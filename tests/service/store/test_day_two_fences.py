@@ -403,3 +403,29 @@ def test_a_keyed_write_carried_through_a_compacted_log_keeps_its_key(place):
     digest, _, outcome = got
     assert digest == "d1" and outcome["ids"] == ids
     assert sorted(i for i, lab in live_added(place, gen(1)).items() if lab == "k") == ids
+
+
+def test_a_delete_of_an_image_the_live_gallery_lacks_reaches_a_gallery_built_earlier(place):
+    """A trained image only some models' indexes hold (dataset index 6: models 1 and 2, not 0)
+    deleted on model 1's gallery, then model 0 live (its carry deleted nothing there, and kept
+    the tombstone), then model 2's gallery, built before that delete, made live: its carry
+    resumes by following model 0's log, where that write changed no item. It deleted nothing
+    on model 2 (the carry model's finding, both backends): the image came back."""
+
+    def live_index_6(gen_: str) -> list[int]:
+        with closing(place.galleries()) as g:
+            rows = g.open(gen_)._select(
+                "SELECT id, metadata FROM items WHERE source = 'trained' AND deleted_seq IS NULL"
+            )
+        return [i for i, md in rows if json.loads(md)["dataset_index"] == 6]
+
+    place.upgrade(2, False)  # model 2's gallery beside model 0's (its carry state kept)
+    place.upgrade(1, True)
+    assert writable(place) == [gen(1)]
+    assert delete(place, gen(1), ids=live_index_6(gen(1)))
+    place.upgrade(0, True)  # carried into model 0: nothing there to delete; its tombstone kept
+    assert writable(place) == [gen(0)]
+    assert live_index_6(gen(2))  # (model 2's gallery still holds it, not live)
+    place.upgrade(2, True)
+    assert writable(place) == [gen(2)]
+    assert live_index_6(gen(2)) == []
