@@ -137,13 +137,16 @@ def evaluate(job: Job, run: Path, quick: bool) -> dict:
 
     if job.group == "ablation":  # model selection: validation split only
         return {"closed": closed_set(run, "val", (1, 30))}
-    # quick: a stratified 2,000 of the 10,000 test images (a check of the pipeline, 5x faster)
+    # quick: a stratified 2,000 of the 10,000 test images, and of the few-shot pools (a check of
+    # the pipeline, 5x faster)
     res = {"closed": closed_set(run, "test", KS, limit=QUICK_TEST_QUERIES if quick else None)}
     if job.group == "fewshot":
         from training.fewshot import evaluate as gen_eval
         from training.fewshot import load_pools, run_episodes
 
-        pools = load_pools(run, None, "test", "memory")
+        pools = load_pools(run, None, "test", "memory", limit=QUICK_TEST_QUERIES if quick else None)
+        res["pools"] = {"shots": len(pools.shot_y), "base_queries": len(pools.base_y)}
+        res["pools"]["novel_queries"] = len(pools.novel_y)
         draws, episodes = (3, 200) if quick else (10, 1000)
         res["generalized"] = {
             k: gen_eval(pools, k, draws, ["knn", "prototype", "kde"], 30, 500, 0) for k in (1, 5)

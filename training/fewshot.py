@@ -38,7 +38,7 @@ from embedding.transforms import eval_transform
 from embedding.votes import VOTES, GalleryView, get_rule
 
 from .config import run_config
-from .datasets import build_data
+from .datasets import build_data, stratified_pick
 from .protocols import episode_accuracy, mean_ci95, sample_episodes
 
 
@@ -65,10 +65,23 @@ def embed_positions(model, raw, positions) -> torch.Tensor:
 
 
 def load_pools(
-    run: Path, novel: list[int] | None, split: str, gallery: str, space: str = "embedding"
+    run: Path,
+    novel: list[int] | None,
+    split: str,
+    gallery: str,
+    space: str = "embedding",
+    limit: int | None = None,
 ) -> Pools:
     """`space` (embedding.model.SPACES): the vectors compared, as index_builder --space builds
-    them; anything but the NCA embedding needs the re-embedded gallery."""
+    them; anything but the NCA embedding needs the re-embedded gallery. `limit`: at most this
+    many of the novel classes' training images (the shots' pool) and of each query set, the
+    same share of every class (a check of the pipeline: `make reproduce QUICK=1`)."""
+
+    def cut(positions: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        if limit is None or len(positions) <= limit:
+            return positions
+        return positions[stratified_pick(labels[positions], limit, np.random.default_rng(0))]
+
     if space != "embedding" and gallery == "memory":
         raise SNCAError(f"--space {space} needs --gallery recompute (the memory bank is NCA)")
     rd = RunDir(run)
@@ -92,7 +105,7 @@ def load_pools(
         if gallery == "memory"
         else embed_positions(model, raw, bank.indices.numpy())
     )
-    novel_train = np.nonzero(np.isin(raw.targets, novel))[0]
+    novel_train = cut(np.nonzero(np.isin(raw.targets, novel))[0], raw.targets)
     to_novel = {cls: nb + i for i, cls in enumerate(novel)}
     shot_y = torch.tensor([to_novel[int(t)] for t in raw.targets[novel_train]])
     shot_pool = embed_positions(model, raw, novel_train)
@@ -106,10 +119,10 @@ def load_pools(
         test = load_raw(
             cfg.dataset, "test", cfg.data_dir, data.model_cfg.image_size, data.model_cfg.in_channels
         )
-        bpos = np.nonzero(np.isin(test.targets, base_ids))[0]
+        bpos = cut(np.nonzero(np.isin(test.targets, base_ids))[0], test.targets)
         base_q = embed_positions(model, test, bpos)
         base_y = torch.tensor([base_ids.index(int(t)) for t in test.targets[bpos]])
-        npos = np.nonzero(np.isin(test.targets, novel))[0]
+        npos = cut(np.nonzero(np.isin(test.targets, novel))[0], test.targets)
         novel_q = embed_positions(model, test, npos)
         novel_y = torch.tensor([to_novel[int(t)] for t in test.targets[npos]])
     return Pools(

@@ -39,6 +39,10 @@ def test_quick_grid_end_to_end(tmp_path):
     assert "fine" in raw["jobs"]["coarse-nca"]["closed"]
     # quick: a stratified 2,000 of the test images, never all 10,000
     assert raw["jobs"]["main-nca"]["closed"]["queries"] == 2000
+    # and ~2,000 of each few-shot pool (the same share of each of its 3 or 7 classes, rounded)
+    pools = raw["jobs"]["fewshot-nca"]["pools"]
+    assert set(pools) == {"shots", "base_queries", "novel_queries"}, pools
+    assert all(abs(n - 2000) <= 7 for n in pools.values()), pools
     eps = raw["jobs"]["fewshot-nca"]["episodes"]
     assert set(eps) == {"1", "5"} and all(0 < e["mean"] <= 1 for e in eps.values())
     text = (docs / "RESULTS.md").read_text()
