@@ -248,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--way", type=int, default=0, help="episodes: N (0: every novel class)")
     ap.add_argument("--episode-queries", type=positive_int, default=15, help="per class")
+    ap.add_argument(
+        "--limit",
+        type=positive_int,
+        help="at most this many of the novel classes' training images (the shots' pool) and of "
+        "each query set, the same share of every class (a quicker, rougher table; default: all)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="also write the table here")
     a = ap.parse_args(argv)
@@ -260,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SNCAError("--episodes and --way must be >= 0")
         novel = [int(c) for c in a.novel.split(",")] if a.novel else None
         shots = [int(s) for s in a.shots.split(",")]
-        pools = load_pools(a.run, novel, a.split, a.gallery, a.space)
+        pools = load_pools(a.run, novel, a.split, a.gallery, a.space, a.limit)
         table = {}
         for k_shot in shots:
             res = evaluate(pools, k_shot, a.draws, rules, a.k, a.queries_per_class, a.seed)
@@ -288,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                         "split": a.split,
                         "gallery": a.gallery,
                         "space": a.space,
+                        "limit": a.limit,
+                        "shot_pool": len(pools.shot_y),
                         "table": table,
                         "episodes": episodes,
                     },

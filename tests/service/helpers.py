@@ -22,6 +22,9 @@ def make_client(run, data_dir, **kw):
     same routes through a model process: tests/service/model/test_model_process.py, which holds
     every route's answers in both modes equal."""
     kw.setdefault("model_process", False)
+    # start-up work that only buys speed later: off unless the test's subject (as for Server)
+    kw.setdefault("fused_batches", 0)
+    kw.setdefault("warmup_seconds", 0)
     app = create_app(Settings(model=run, data_dir=data_dir, **kw))
     return TestClient(app, base_url="http://localhost")  # a loopback Host, as the server wants
 

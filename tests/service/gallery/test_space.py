@@ -72,11 +72,13 @@ def test_fewshot_evaluates_the_space_the_service_serves(base_run, tmp_path):
     """training.fewshot --space spatial embeds exactly like the index builder and the service."""
     out = tmp_path / "fs.json"
     args = ["--shots", "1", "--draws", "2", "--queries-per-class", "20", "--rules", "kde"]
+    args += ["--limit", "1000"]  # of the 30,000 novel-class training images the shots come from
     p = run_cli("training.fewshot", base_run, "--space", "spatial", "--gallery", "recompute",
                 *args, "--json", out)  # fmt: skip
     assert p.returncode == 0, p.stderr
     res = json.loads(out.read_text())
     assert res["space"] == "spatial"
+    assert res["limit"] == 1000 and 990 <= res["shot_pool"] <= 1000  # stratified: ~200 a class
     assert 0 < res["table"]["1"]["kde"]["base"]["mean"] <= 1
     p = run_cli("training.fewshot", base_run, "--space", "spatial", *args)
     assert p.returncode == 2 and "--gallery recompute" in p.stderr
