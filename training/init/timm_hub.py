@@ -56,6 +56,21 @@ def _cached_file(spec: str, cfg: dict) -> Path:
     )
 
 
+def preprocessing_of(net) -> dict:
+    """A timm model's pretrained preprocessing as timm's resolve_data_config gives it (mean,
+    std, image_size, in_channels, interpolation, crop_pct): what a run starting from its
+    weights must feed it."""
+    data = _timm().data.resolve_data_config({}, model=net)
+    return {
+        "mean": [float(m) for m in data["mean"]],
+        "std": [float(s) for s in data["std"]],
+        "image_size": int(data["input_size"][-1]),
+        "in_channels": int(data["input_size"][0]),
+        "interpolation": str(data["interpolation"]),
+        "crop_pct": float(data["crop_pct"]),
+    }
+
+
 class _TimmLoadLog(logging.Handler):
     """Collects timm's "Missing keys (...)" / "Unexpected keys (...)" messages of a load."""
 
@@ -113,14 +128,6 @@ class TimmWeights:
             raise SNCAError(
                 f"--init {spec}: {path} does not fit timm's {name}: " + "; ".join(said.misfits)
             )
-        data = timm.data.resolve_data_config({}, model=net)
-        pre = {
-            "mean": [float(m) for m in data["mean"]],
-            "std": [float(s) for s in data["std"]],
-            "image_size": int(data["input_size"][-1]),
-            "in_channels": int(data["input_size"][0]),
-            "interpolation": str(data["interpolation"]),
-            "crop_pct": float(data["crop_pct"]),
-        }
+        pre = preprocessing_of(net)
         backbone = {f"backbone.{k}": v for k, v in net.state_dict().items()}
         return Loaded("timm", spec, backbone, path, arch=TIMM_PREFIX + name, preprocessing=pre)
