@@ -81,9 +81,9 @@ def main() -> int:
                 t0 = time.time()
                 an = [ask(i) for i in nq]
                 ab = [ask(i) for i in bq]
-                nov = np.mean([x["label"] == f"new:{test.class_names[test.targets[i]]}"
+                nov = np.mean([x["nearest_label"] == f"new:{test.class_names[test.targets[i]]}"
                                for x, i in zip(an, nq, strict=True)])  # fmt: skip
-                base = np.mean([x["label"] == test.class_names[test.targets[i]]
+                base = np.mean([x["nearest_label"] == test.class_names[test.targets[i]]
                                 for x, i in zip(ab, bq, strict=True)])  # fmt: skip
                 hm = 2 * nov * base / max(nov + base, 1e-12)
                 row = {

@@ -75,7 +75,9 @@ for dev in DEVS:
             "/classify",
             files=[part("image", bag)],
         ).json()
-        print(dev, "bag after add ->", after["label"], round(after["confidence"], 3))
+        print(
+            dev, "bag after add ->", after["nearest_label"], round(after["nearest_probability"], 3)
+        )
         batch = c.post(
             "/classify/batch",
             files=[part("images", p) for p in (imgs * 8)[:64]],
@@ -97,14 +99,14 @@ if len(DEVS) == 1:
     sys.exit(0)
 ok = 0
 for a, b, p in zip(res["cuda"], res["cpu"], imgs, strict=True):
-    same = a["label"] == b["label"]
+    same = a["nearest_label"] == b["nearest_label"]
     ok += same
     print(
         Path(p).name,
-        a["label"],
-        round(a["confidence"], 4),
-        b["label"],
-        round(b["confidence"], 4),
+        a["nearest_label"],
+        round(a["nearest_probability"], 4),
+        b["nearest_label"],
+        round(b["nearest_probability"], 4),
         "nbr ids equal",
         [n["id"] for n in a["neighbors"]] == [n["id"] for n in b["neighbors"]],
         "max|dsim|",

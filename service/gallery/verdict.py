@@ -5,7 +5,11 @@ An image is unknown when the open set is on (a rate `tpr`) and either its chosen
 says it is not that kind of image (`outside_world`), or no label accepts it
 (`no_label_accepts`): no label chosen, a nearest neighbour or a vote below the fixed floors
 (SNCA_UNKNOWN_SIMILARITY, SNCA_UNKNOWN_PROBABILITY), or an open-set score under the chosen
-label's threshold at `tpr` (embedding/openset.py)."""
+label's threshold at `tpr` (embedding/openset.py).
+
+An unknown answer names no label: `answered` gives (label, confidence) as (None, None) then, so
+that a client reading `label` first is never confidently wrong; the nearest label and its
+probability are reported under their own names either way."""
 
 from __future__ import annotations
 
@@ -33,3 +37,11 @@ def unknown_reason(
     ):
         return "no_label_accepts"
     return None
+
+
+def answered(c: Classification, reason: str | None) -> tuple[str | None, float | None]:
+    """(label, confidence) of the answer: the chosen label and its probability, or (None, None)
+    when the image is unknown (`reason` not None) or the gallery is empty."""
+    if reason is not None or c.label is None:
+        return None, None
+    return c.label, c.confidence

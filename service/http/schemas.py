@@ -23,9 +23,21 @@ class Neighbor(BaseModel):
 
 class ClassifyResult(BaseModel):
     label: str | None = Field(
-        ..., description="best guess (also when unknown); null if the gallery is empty"
+        ...,
+        description="the answer: the chosen label; null when the image is unknown (the nearest "
+        "label is then only `nearest_label`, a guess) or the gallery is empty",
     )
-    confidence: float = Field(..., description="probability of `label`")
+    confidence: float | None = Field(
+        ..., description="probability of `label`; null when `label` is"
+    )
+    nearest_label: str | None = Field(
+        None,
+        description="the label the vote chose, also when the image is unknown (then a guess, "
+        "not an answer); null if the gallery is empty",
+    )
+    nearest_probability: float | None = Field(
+        None, description="the vote's probability of `nearest_label`"
+    )
     probabilities: list[Probability] = Field(..., description="top 5 labels")
     unknown: bool = Field(
         ...,
@@ -87,6 +99,8 @@ class ClassifyResult(BaseModel):
             "example": {
                 "label": "Sneaker",
                 "confidence": 0.97,
+                "nearest_label": "Sneaker",
+                "nearest_probability": 0.97,
                 "probabilities": [
                     {"label": "Sneaker", "probability": 0.97},
                     {"label": "Sandal", "probability": 0.02},

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from embedding.votes import VOTES
 from service.gallery.labels import normalize_label
 from service.gallery.query import VoteQuery
+from service.gallery.verdict import answered
 from service.http.deps import GuardedRoute, access, ready_state
 from service.http.inputs import missing, read_form
 from service.http.problems import Problem
@@ -169,9 +170,12 @@ def result(
     the verdict (service/gallery/verdict.py)."""
     c, threshold, reason = a.c, a.threshold, a.unknown_reason
     w = c.world
+    label, confidence = answered(c, reason)
     r = {
-        "label": c.label,
-        "confidence": c.confidence,
+        "label": label,
+        "confidence": confidence,
+        "nearest_label": c.label,
+        "nearest_probability": c.confidence if c.label is not None else None,
         "probabilities": [{"label": lab, "probability": min(1.0, p)} for lab, p in c.probabilities],
         "unknown": reason is not None,
         "unknown_reason": reason,

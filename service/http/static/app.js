@@ -106,8 +106,9 @@ async function classify(file) {
   try {
     const r = await api(`/classify?${q}`, { method: "POST", body: fd });
     $("classify-result").hidden = false;
-    $("classify-label").textContent = r.label ?? "(empty gallery)";
-    $("classify-confidence").textContent = pct(r.confidence);
+    // an unknown answer has no label: the page shows the nearest one, marked as a guess
+    $("classify-label").textContent = r.label ?? r.nearest_label ?? "(empty gallery)";
+    $("classify-confidence").textContent = pct(r.confidence ?? r.nearest_probability);
     $("classify-unknown").hidden = !r.unknown;
     $("classify-closest").hidden = !r.unknown; // the label is then only the closest, not an answer
     $("classify-unknown-box").hidden = !r.unknown;
@@ -118,10 +119,10 @@ async function classify(file) {
     $("classify-score").textContent = score + thr + world;
     $("classify-unknown-reason").textContent = r.unknown_reason === "outside_world"
       ? (r.world_basis === "label"
-        ? `this image is not like the images registered as "${r.label}", nor like any other label's.`
+        ? `this image is not like the images registered as "${r.nearest_label}", nor like any other label's.`
         : "this is not the kind of image the gallery holds (its statistics are far from every image the model was trained on).")
       : "it looks like the gallery's images, but no label's neighbourhood takes it.";
-    $("classify-unknown-why").textContent = r.label ? `The closest label, ${r.label}, is shown as a guess only.` : "";
+    $("classify-unknown-why").textContent = r.nearest_label ? `The closest label, ${r.nearest_label}, is shown as a guess only.` : "";
     const probs = $("classify-probs");
     probs.replaceChildren(...r.probabilities.map((p) => {
       const li = document.createElement("li");
@@ -213,7 +214,7 @@ async function register(ev) {
     const check = new FormData();
     check.append("image", files[0]);
     const c = await api("/classify", { method: "POST", body: check });
-    $("register-check").textContent = `${c.label} (${pct(c.confidence)})${c.unknown ? " — still unknown" : ""}`;
+    $("register-check").textContent = `${c.label ?? c.nearest_label} (${pct(c.confidence ?? c.nearest_probability)})${c.unknown ? " — still unknown" : ""}`;
     showDiagnostics(r.diagnostics);
     $("register-carried").hidden = true;
     $("register-result").hidden = false;
