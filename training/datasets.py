@@ -117,9 +117,16 @@ def carve(
         split = split.subset(stratified_pick(split.labels, subset, rng))
     if val_size <= 0:
         return split, None
+    if val_size == TrainConfig.val_size and val_size >= 1:
+        # the default count is for datasets of tens of thousands: on a folder of 96 photos it
+        # would take all but one image a class; there it is a sixth of the data
+        val_size = min(val_size, max(1, len(split) // 6))
     val_mask = stratified_pick(split.labels, val_size, rng)
     if not val_mask.any() or val_mask.all():
-        raise DataError(f"validation size {val_size} leaves an empty train or validation split")
+        raise DataError(
+            f"--val-size {val_size:g} leaves an empty training or validation split of the "
+            f"{len(split)} images; pass a smaller one (a fraction < 1 works too) or 0 for none"
+        )
     return split.subset(~val_mask), split.subset(val_mask)
 
 

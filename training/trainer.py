@@ -351,7 +351,11 @@ class Trainer:
                 len(data.train), cfg.batch_size, dist.rank, dist.world_size, cfg.seed
             )
         except ValueError as e:
-            raise SNCAError(f"{e}; lower --batch-size") from None
+            val = 0 if data.val is None else len(data.val)
+            raise SNCAError(
+                f"{e}; lower --batch-size (or --val-size: validation took {val} of the "
+                f"{len(data.train) + val} images)"
+            ) from None
         tf = train_transform(data.model_cfg) if cfg.augment else eval_transform(data.model_cfg)
         self.loader = DataLoader(
             IndexedDataset(data.train, tf),

@@ -9,6 +9,7 @@ from PIL import Image
 from embedding import DataError, ModelConfig
 from embedding.datasets import SYSTEM_FASHION_DIR, load_raw, verify_images
 from embedding.transforms import eval_transform, train_transform
+from training.config import TrainConfig
 from training.datasets import IndexedDataset, carve, parse_classes, select
 
 
@@ -60,6 +61,20 @@ def test_validation_split_is_stratified_disjoint_and_seeded(fashion_train):
     assert not np.array_equal(val.positions, val3.positions)
     sub, subval = carve(split, 0.1, 2000, seed=0)
     assert len(sub) + len(subval) == 2000 and len(subval) == 200
+
+
+def test_the_default_validation_split_is_sized_by_the_data(fashion_train):
+    """The default --val-size (5,000) on a folder of 96 photos took all but one image a class
+    for validation, and training then stopped on a batch size it could not fill: on a small
+    dataset the default is a sixth of it; an explicit size that empties a split names the flag."""
+    split = select(fashion_train, [0, 1, 2, 3], coarse=False)
+    small, _ = carve(split, 0, 96, seed=0)  # 24 images of 4 classes
+    train, val = carve(small, TrainConfig.val_size, None, seed=0)
+    assert (len(train), len(val)) == (80, 16)
+    assert np.bincount(val.labels).tolist() == [4] * 4
+    tiny, _ = carve(split, 0, 4, seed=0)  # one image a class
+    with pytest.raises(DataError, match=r"--val-size 2 leaves an empty training .* of the 4"):
+        carve(tiny, 2, None, seed=0)
 
 
 def test_indexed_dataset_yields_image_label_index(fashion_train):
