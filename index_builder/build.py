@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embedding import collapse
 from embedding.artifacts import publish_dir
 from embedding.errors import ArtifactError, SNCAError
 from embedding.gallery import create_store, utc_now
@@ -530,6 +531,9 @@ def build(cfg: BuildConfig, log=_say) -> IndexManifest:
     resolve_device(cfg.device)  # fail early on --device cuda without a GPU build
     check_run_dir(cfg)
     vec, model = load_vectors(cfg, log)
+    spread = collapse.pair_similarity(vec.embeddings)
+    if (said := collapse.warning(spread, "the index's vectors")) is not None:
+        log("warning: " + said)
     t_world = time.perf_counter()
     world_fit = world_statistics(cfg, model, vec, log)
     t_world = time.perf_counter() - t_world
@@ -602,6 +606,7 @@ def build(cfg: BuildConfig, log=_say) -> IndexManifest:
                     else "fitted at build"
                 ),
                 "world_seconds": round(t_world, 2),
+                "pair_similarity": None if spread is None else round(spread, 4),
                 "faiss": faiss.__version__,
             },
             files={

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embedding import collapse
 from embedding.errors import ArtifactError, SNCAError
 from embedding.index import IndexDir, open_index_dir
 from embedding.progress import Progress
@@ -431,6 +432,9 @@ def finish_service(
             }
         },
     )
+    said = collapse.warning(ix.manifest.build.get("pair_similarity"), "the index's vectors")
+    if said is not None:
+        log.warning(said)
     return state
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from embedding import openset
+from embedding import collapse, openset
 from embedding.votes import Candidates, VoteRule
 
 
@@ -175,6 +175,10 @@ def world_warning(d: Diagnostics, outside: np.ndarray) -> None:
 
 def _warn(d: Diagnostics, n: int) -> None:
     """Plain-language warnings from the numbers (what a user should look at)."""
+    # a collapsed model: the label's images and its nearest other label's all one direction
+    alike = min(d.cohesion or 0.0, d.nearest_similarity or 0.0) if n > 1 else None
+    if (said := collapse.warning(alike, "this label's images and its neighbours'")) is not None:
+        d.warnings.append(said)
     if n == 1 and d.outliers:
         o = d.outliers[0]
         d.warnings.append(

@@ -119,6 +119,27 @@ def test_non_unit_rows_are_renormalised_with_a_warning(tmp_path, data):
     assert abs(np.linalg.norm(v) - 1) < 1e-5
 
 
+def test_a_collapsed_model_is_named_at_build_and_a_spread_one_is_not(tmp_path, data):
+    """A model trained from scratch on 96 photos mapped every image to nearly one vector (every
+    similarity 0.95-1.000) and nothing said so: the build now warns and records the measure."""
+    x, y, _ = data
+    rng = np.random.default_rng(0)
+    one = rng.standard_normal(x.shape[1]).astype(np.float32)
+    alike = one + 0.02 * rng.standard_normal((500, x.shape[1])).astype(np.float32)
+    alike /= np.linalg.norm(alike, axis=1, keepdims=True)
+    said = []
+    for name, vectors in (("spread", x[:500]), ("alike", alike)):
+        make_run_dir(tmp_path / name, vectors, y[:500], 10)
+        said.append([])
+        m = build(
+            BuildConfig(run_dir=tmp_path / name, out=tmp_path / f"{name}-ix", progress=False),
+            log=said[-1].append,
+        )
+        said[-1].append(m.build["pair_similarity"])
+    assert said[0][-1] < 0.5 and not any("collapsed" in str(s) for s in said[0])
+    assert said[1][-1] > 0.99 and any("nearly all alike" in str(s) for s in said[1][:-1])
+
+
 def _expect(msg, run_dir, out, **kw):
     with pytest.raises(SNCAError, match=msg):
         _build(run_dir, out, **kw)
