@@ -148,6 +148,11 @@ def world_statistics(cfg: BuildConfig, model, vec: Vectors, log):
     run = RunDir(cfg.run_dir)
     if run.world.is_file():
         return world.load(run.world, model.fingerprint)
+    if len(vec.dataset_indices) == 0:
+        log(
+            "world statistics: none (nothing trained); each label you register is checked against its own images"
+        )
+        return None
     try:
         raw = _train_raw(cfg, log)
         _check_indices(raw, vec.dataset_indices)
@@ -199,6 +204,13 @@ def load_vectors(cfg: BuildConfig, log=_say) -> tuple[Vectors, object]:
         raise SNCAError(str(e)) from None
     labels = bank.labels.numpy().astype(np.int64)
     indices = bank.indices.numpy().astype(np.int64)
+    if len(labels) == 0 and not model.config.class_names:
+        # `snca-train --epochs 0`: pretrained weights, nothing trained; the gallery starts empty
+        log(
+            "an empty gallery (nothing trained): labels come from /gallery/add, snca-gallery import or the page"
+        )
+        dim = space_dim(model, cfg.space)
+        return Vectors(np.zeros((0, dim), np.float32), labels, indices), model
     if cfg.source == "memory":
         emb = bank.embeddings.numpy()
     else:
@@ -218,7 +230,9 @@ def validate_vectors(
         raise SNCAError(f"vector dim {emb.shape[1]} does not match the model's embedding dim {dim}")
     n = emb.shape[0]
     if n == 0:
-        raise SNCAError("there are no vectors to index")
+        raise SNCAError(
+            "there are no vectors to index (a model that names no label, from snca-train --epochs 0, starts empty)"
+        )
     if labels.shape != (n,):
         raise SNCAError(f"{labels.shape[0]} labels for {n} vectors: the counts must match")
     if indices.shape != (n,):
@@ -442,14 +456,14 @@ def make_index(vec: Vectors, cfg: BuildConfig, ids: np.ndarray, log=_say):
                 f"training {cfg.factory!r} failed: {str(e).strip().splitlines()[-1]}"
             ) from None
     train_s = time.perf_counter() - t0
-    with Progress(n, "adding", "vec", enabled=cfg.progress) as bar:
+    with Progress(n, "adding", "vec", enabled=cfg.progress and n > 0) as bar:
         for s in range(0, n, ADD_BATCH):
             work.add_with_ids(emb[s : s + ADD_BATCH], ids[s : s + ADD_BATCH])
             bar.update(min(ADD_BATCH, n - s))
     if device == "cuda":
         index = faiss.index_gpu_to_cpu(work)  # always write a CPU-readable index
     tuned = {}
-    if auto and not (cfg.nprobe or cfg.ef_search):
+    if auto and n and not (cfg.nprobe or cfg.ef_search):
         found, tuned = tune_recall(index, emb, ids, cfg.recall_target, cfg.seed, log)
         params.update(found)
     apply_search_params(index, params)
@@ -557,7 +571,9 @@ def build(cfg: BuildConfig, log=_say) -> IndexManifest:
         except ArtifactError:  # a memory-bank index needs no images; the name is informative
             dataset = None
         emb_le = vec.embeddings.astype("<f4", copy=False)
-        thumbs = make_thumbnails(cfg, vec.dataset_indices, log) if cfg.thumbnails else [None] * n
+        thumbs = (
+            make_thumbnails(cfg, vec.dataset_indices, log) if cfg.thumbnails and n else [None] * n
+        )
         rows = (
             (
                 int(i),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from embedding.cliutil import positive_int
+from embedding.cliutil import non_negative_int, positive_int
 from embedding.datasets import DATASETS
 from embedding.errors import SNCAError
 
@@ -163,7 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated generated families to train on (default {d.outlier_families})",
     )
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=positive_int, help=f"default {d.epochs}")
+    g.add_argument(
+        "--epochs",
+        type=non_negative_int,
+        help=f"default {d.epochs}; 0: train nothing, write a servable run dir of --init's "
+        "weights as they are (the pooled features as the embedding) with an empty gallery",
+    )
     g.add_argument(
         "--batch-size",
         type=positive_int,
@@ -297,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             device = torch.device("cuda", dist.local_rank)
+        if cfg.epochs == 0:
+            from .pretrained import export
+
+            export(cfg, overwrite)
+            return 0
         result = train(cfg, dist, device, resume, overwrite)
         if dist.is_main:
             f = result.summary.get("final", {})

@@ -99,8 +99,10 @@ class TrainConfig:
             p.append(f"unknown device {self.device!r} (choose from {', '.join(DEVICES)})")
         for name in ("epochs", "batch_size", "embedding_dim", "eval_every"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                p.append(f"{name} must be a positive integer, got {v!r}")
+            least = 0 if name == "epochs" else 1  # 0 epochs: pretrained weights as they are
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                what = "an integer >= 0" if least == 0 else "a positive integer"
+                p.append(f"{name} must be {what}, got {v!r}")
         if isinstance(self.batch_size, int) and self.batch_size < 2:
             p.append("batch_size must be at least 2")
         if not 0 < self.temperature <= 10:

