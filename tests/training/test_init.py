@@ -113,6 +113,7 @@ def test_a_run_dir_of_this_project_transfers_backbone_and_embedding(tmp_path):
 
 def test_torchvision_weights_by_name_come_from_the_hub_cache_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setenv("SNCA_OFFLINE", "1")  # (the download: tests/training/test_download.py)
     model = EmbeddingNet(resnet18_config())
     with pytest.raises(SNCAError) as e:
         initialise(model, "torchvision:resnet18")

@@ -1,7 +1,8 @@
 """--init timm:NAME[:FILE] (timm:convnext_tiny, timm:resnet50.a1_in1k:/data/weights.safetensors):
 a timm model's pretrained weights (pip install 'snca[timm]'). The file is FILE, or the one timm
 itself would fetch, found in the Hugging Face cache (HF_HUB_CACHE, ~/.cache/huggingface/hub)
-without a network call; nothing is downloaded here. It is read like any checkpoint (safetensors,
+without a network call, else downloaded (huggingface_hub's download and checks) unless
+SNCA_OFFLINE=1 or HF_HUB_OFFLINE=1. It is read like any checkpoint (safetensors,
 or torch.load(weights_only=True)) and handed to timm as a state_dict, so timm's own adaptation
 of its checkpoints applies (key remaps, the classifier left out). The architecture becomes
 `timm:NAME`, and the model's pretrained config (input size, mean, std, interpolation, crop_pct,
@@ -10,6 +11,7 @@ as timm's resolve_data_config gives them) the run's preprocessing."""
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 from embedding.config import TIMM_PREFIX
@@ -17,6 +19,7 @@ from embedding.errors import SNCAError
 
 from .base import Loaded
 from .checkpoint import CheckpointFile
+from .download import fetch, offline
 
 HF_FILES = ("model.safetensors", "pytorch_model.bin")  # what timm's Hugging Face repos hold
 
@@ -32,7 +35,9 @@ def _timm():
 
 
 def _cached_file(spec: str, cfg: dict) -> Path:
-    """The pretrained file from the Hugging Face cache, or an error saying where to put it."""
+    """The pretrained file from the Hugging Face cache, else downloaded there by
+    huggingface_hub (its hash check; HF_ENDPOINT honoured), or from timm's URL into torch's hub
+    cache; when offline (SNCA_OFFLINE, HF_HUB_OFFLINE), an error saying where to put it."""
     repo = cfg.get("hf_hub_id")
     if repo:
         from huggingface_hub import try_to_load_from_cache
@@ -42,18 +47,42 @@ def _cached_file(spec: str, cfg: dict) -> Path:
             hit = try_to_load_from_cache(repo, name)
             if isinstance(hit, str):
                 return Path(hit)
+        if not offline():
+            return _hf_download(spec, repo)
         raise SNCAError(
             f"--init {spec}: its weights ({repo}, {HF_FILES[0]}) are not in the Hugging Face "
-            f"cache {HF_HUB_CACHE} and nothing is downloaded here; on a machine with internet "
-            f"access run `hf download {repo} {HF_FILES[0]}` and copy the cache folder "
-            f"models--{repo.replace('/', '--')} there (or set HF_HUB_CACHE), or pass the file: "
-            f"--init {spec}:PATH"
+            f"cache {HF_HUB_CACHE} and downloads are off (SNCA_OFFLINE or HF_HUB_OFFLINE); on "
+            f"a machine with internet access run `hf download {repo} {HF_FILES[0]}` and copy the "
+            f"cache folder models--{repo.replace('/', '--')} there (or set HF_HUB_CACHE), or "
+            f"pass the file: --init {spec}:PATH"
         )
-    url = cfg.get("url") or "its published weights file"
-    raise SNCAError(
-        f"--init {spec}: timm fetches {url} for it; nothing is downloaded here: fetch it on a "
-        f"machine with internet access and pass it as --init {spec}:PATH"
-    )
+    url = cfg.get("url")
+    if not url:
+        raise SNCAError(
+            f"--init {spec}: timm names no weights file for it; pass --init {spec}:PATH"
+        )
+    import torch.hub
+
+    return fetch(url, Path(torch.hub.get_dir()) / "checkpoints" / Path(url).name, spec)
+
+
+def _hf_download(spec: str, repo: str) -> Path:
+    """hf_hub_download of the repo's weights (safetensors first), into the Hugging Face cache."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    print(f"downloading {repo} from the Hugging Face Hub", file=sys.stderr, flush=True)
+    for name in HF_FILES:
+        try:
+            return Path(hf_hub_download(repo, name))
+        except EntryNotFoundError:
+            continue
+        except Exception as e:  # network, auth, a repo that moved: say which and what to do
+            raise SNCAError(
+                f"--init {spec}: downloading {repo} failed ({type(e).__name__}: {e}); pass the "
+                f"file: --init {spec}:PATH"
+            ) from None
+    raise SNCAError(f"--init {spec}: {repo} holds none of {', '.join(HF_FILES)}")
 
 
 def preprocessing_of(net) -> dict:

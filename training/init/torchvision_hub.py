@@ -1,7 +1,8 @@
 """--init torchvision:NAME[:WEIGHTS] (torchvision:resnet50, torchvision:resnet18:IMAGENET1K_V1):
 torchvision's published weights, read from torch's hub cache ($TORCH_HOME/hub/checkpoints, where
-torchvision itself keeps them), so it works offline once the file is there. Nothing is
-downloaded here: a missing file is an error naming the file and where to put it."""
+torchvision itself keeps them). A missing file is downloaded there with torch.hub's download and
+hash check (download.py; SNCA_WEIGHTS_MIRROR for a mirror), unless SNCA_OFFLINE=1: then the
+error names the file and where to put it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from embedding.errors import SNCAError
 
 from .base import Loaded
 from .checkpoint import CheckpointFile
+from .download import fetch, mirrored
 
 
 class TorchvisionWeights:
@@ -35,12 +37,8 @@ class TorchvisionWeights:
             options = ", ".join(w.name for w in enum)
             raise SNCAError(f"--init {spec}: {name} has no weights {which!r} ({options})") from None
         file = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
-        if not file.is_file():
-            raise SNCAError(
-                f"--init {spec}: {file} is missing and nothing is downloaded here; fetch "
-                f"{weights.url} on a machine with internet access and place it at {file} "
-                "(or set TORCH_HOME to the folder whose hub/checkpoints holds it)"
-            )
+        if not file.is_file():  # downloaded (hash-checked) unless offline
+            fetch(mirrored(weights.url), file, spec)
         loaded = CheckpointFile.load(str(file), kind="torchvision")
         loaded.spec = spec
         tf = weights.transforms()  # ImageClassification: the weights' own mean/std
