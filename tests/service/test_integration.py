@@ -40,7 +40,7 @@ def test_real_server_end_to_end_and_restart(base_run, tmp_path, fmnist_test, fmn
                 ok += (
                     c.post(
                         "/classify", files={"image": ("q.png", png(fmnist_test, i), "image/png")}
-                    ).json()["label"]
+                    ).json()["nearest_label"]
                     == name
                 )
         assert ok >= 12
@@ -56,7 +56,7 @@ def test_real_server_end_to_end_and_restart(base_run, tmp_path, fmnist_test, fmn
         hits = sum(
             c.post(
                 "/classify", files={"image": ("q.png", png(fmnist_test, i), "image/png")}
-            ).json()["label"]
+            ).json()["nearest_label"]
             == "T-shirt/top"
             for i in of_class(fmnist_test, 0, 10)
         )

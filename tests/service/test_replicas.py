@@ -252,7 +252,7 @@ def test_postgres_stopped_while_serving_then_back(postgres, base_run, tmp_path, 
             assert r.status_code == 503 and r.json()["code"] == "store_unavailable", r.text
             assert r.headers["retry-after"]
             r = c.post("/classify", files={"image": ("q.png", q, "image/png")})
-            assert r.status_code == 200 and r.json()["label"]
+            assert r.status_code == 200 and r.json()["nearest_label"]
             deadline = time.monotonic() + 600
             while (r := c.get("/readyz")).status_code == 200 and time.monotonic() < deadline:
                 time.sleep(0.2)

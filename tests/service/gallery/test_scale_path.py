@@ -50,7 +50,7 @@ def test_auto_ivf_index_served_by_the_candidate_vote(base_run, tmp_path, fmnist_
                 assert c.get("/readyz").json()["vote_path"] == (
                     "dense" if name == "dense" else "candidates"
                 )
-                labels[name] = [_classify(c, q)["label"] for q in queries]
+                labels[name] = [_classify(c, q)["nearest_label"] for q in queries]
                 if name != "candidates":
                     continue
                 tee = [png(fmnist_test, i) for i in of_class(fmnist_test, 0, 6)]
@@ -61,15 +61,15 @@ def test_auto_ivf_index_served_by_the_candidate_vote(base_run, tmp_path, fmnist_
                 )
                 assert r.status_code == 201, r.text
                 got = _classify(c, tee[0], neighbors="true")
-                assert got["label"] == "tee", got
+                assert got["nearest_label"] == "tee", got
                 assert got["neighbors"][0]["label"] == "tee"
                 assert got["neighbors"][0]["similarity"] > 0.999
                 only = _classify(c, tee[0], labels=["Trouser", "Bag"])
-                assert only["label"] in {"Trouser", "Bag"}
+                assert only["nearest_label"] in {"Trouser", "Bag"}
                 assert {x["label"] for x in only["probabilities"]} <= {"Trouser", "Bag"}
                 assert c.delete("/gallery/labels/tee").status_code == 200
                 after = _classify(c, tee[0], neighbors="true")
-                assert after["label"] != "tee" and "tee" not in {
+                assert after["nearest_label"] != "tee" and "tee" not in {
                     x["label"] for x in after["neighbors"]
                 }
         finally:

@@ -62,7 +62,7 @@ def test_classify_register_labels_search_in_the_browser(server, browser, tmp_pat
     (tmp_path / "notes.png").write_text("this is text, not an image")
     expected = httpx.post(
         server.url + "/classify", files={"image": ("q.png", files["sneaker"].read_bytes())}
-    ).json()["label"]
+    ).json()["nearest_label"]
 
     page = browser.new_page(viewport={"width": 1100, "height": 900})
     errors = []

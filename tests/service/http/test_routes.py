@@ -61,7 +61,7 @@ def test_classify_base_images(client, fmnist_test):
             assert 0 < len(body["probabilities"]) <= 5
             assert abs(sum(p["probability"] for p in body["probabilities"]) - 1) < 0.05
             assert float(r.headers["x-process-time-ms"]) > 0 and r.headers["x-request-id"]
-            ok += body["label"] == name
+            ok += body["nearest_label"] == name
             total += 1
     assert ok / total >= 0.8, f"{ok}/{total}"
 
@@ -84,9 +84,11 @@ def test_votes_neighbors_and_batch(client, fmnist_test):
         files=[("images", (f"{i}.png", png(fmnist_test, i), "image/png")) for i in ids],
     )
     BatchResult.model_validate(r.json())
-    labels = [x["label"] for x in r.json()["results"]]
+    labels = [x["nearest_label"] for x in r.json()["results"]]
     assert r.status_code == 200 and len(labels) == 4
-    single = [client.post("/classify", files=img(fmnist_test, i)).json()["label"] for i in ids]
+    single = [
+        client.post("/classify", files=img(fmnist_test, i)).json()["nearest_label"] for i in ids
+    ]
     assert labels == single  # one result per image, in order
 
 
@@ -102,12 +104,14 @@ def test_add_new_label_then_classify_search_delete(client, fmnist_test, fmnist_t
     # classifiable by the very next request
     queries = of_class(fmnist_test, 0, 20)
     hits = sum(
-        client.post("/classify", files=img(fmnist_test, i)).json()["label"] == "T-shirt/top"
+        client.post("/classify", files=img(fmnist_test, i)).json()["nearest_label"] == "T-shirt/top"
         for i in queries
     )
     assert hits >= 10, hits
     knn_hits = sum(
-        client.post("/classify", files=img(fmnist_test, i), params={"vote": "knn"}).json()["label"]
+        client.post("/classify", files=img(fmnist_test, i), params={"vote": "knn"}).json()[
+            "nearest_label"
+        ]
         == "T-shirt/top"
         for i in queries
     )
