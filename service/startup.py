@@ -101,6 +101,9 @@ def load_world(settings: Settings, ix: IndexDir, fingerprint: str) -> WorldFit |
     if settings.world_tpr <= 0:
         return None
     if not path.is_file():
+        if ix.manifest.count == 0 and not ix.manifest.class_names:  # snca-train --epochs 0
+            log.info("no world statistics (nothing trained): the label check alone says unknown")
+            return None
         log.warning(
             "the index dir %s has no world statistics (built before the world check): serving "
             "without it; snca-build-index builds them",
@@ -576,6 +579,18 @@ def _migrate(o: Opening, settings: Settings, progress, status=None) -> Report | 
     return r
 
 
+def photo_model(settings: Settings) -> bool:
+    """Whether the served model reads photographs (over 64 px): their registered images get a
+    thumbnail unless SNCA_THUMBNAILS says otherwise (a gallery of photos shown as "no preview"
+    is what a user following the photo recipe met). False when the card cannot be read (the
+    start-up says why)."""
+    try:
+        cfg, _ = RunDir(settings.model).load_model_card()
+    except (ArtifactError, OSError, ValueError):
+        return False
+    return cfg.image_size > 64
+
+
 class ServiceHost:
     """What the app holds: settings and metrics from the start, the ServiceState once built,
     and meanwhile the start-up phase (/readyz reports it)."""
@@ -586,6 +601,8 @@ class ServiceHost:
         if model not in MODEL_PLACES:
             raise ValueError(f"model {model!r}: one of {', '.join(MODEL_PLACES)}")
         self.settings = settings
+        if "thumbnails" not in settings.model_fields_set:  # not said: on for a photo model
+            settings.thumbnails = photo_model(settings)
         self.model_place = model
         self.metrics = metrics or Metrics()
         # the model process relays its start-up to the front (service/model_process.py)

@@ -4,6 +4,7 @@ uploads turned into model input, and the batches (one forward, then the votes)."
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -41,6 +42,8 @@ DECODE_SLOTS = 2
 TRIM_AFTER_PIXELS = 4_000_000
 # A model slower than this per image (on one thread) gets every core; see auto_threads.
 HEAVY_MODEL_MS = 2.0
+
+log = logging.getLogger("snca.service")
 
 
 @dataclass
@@ -259,13 +262,21 @@ class ModelRuntime(Runtime):
             limits=1
         )
         torch.set_num_threads(1)
+        cfg = e.model.config
+        # start-up says what it is doing: a photo model takes tens of seconds here on a small CPU
+        log.info("model: %s at %d px on %s: preparing", cfg.arch, cfg.image_size, e.device)
         if s.optimize:
             e.optimize()
         e.warmup()
         threads = s.torch_threads or self.auto_threads()
         torch.set_num_threads(threads)
         fused = e.fuse_small_batches(s.fused_batches, s.fused_memory_mb) if s.optimize else []
+        if s.warmup_seconds > 0:
+            log.info(
+                "model: warming up batch sizes 1..%d (at most %g s)", s.max_batch, s.warmup_seconds
+            )
         warm, sizes = e.warmup_every_size(s.max_batch, s.warmup_seconds)
+        log.info("model: ready (%s, %d thread(s), %.1f s warming up)", e.mode, threads, warm)
         return ModelInfo(str(e.device), e.mode, threads, fused, warm, sizes)
 
     def auto_threads(self) -> int:

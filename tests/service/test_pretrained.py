@@ -85,6 +85,12 @@ def test_served_with_nothing_trained_then_named_from_five_photos_and_kept(lite0,
         assert all(a["label"] is None and a["nearest_label"] for a in strangers if a["unknown"])
         probe = crops(photo("chelsea"), 1, 11)[0]
         before = _ask(srv.url, probe)
+        # a photo model keeps thumbnails of what is registered without being told to
+        r = httpx.post(
+            srv.url + "/classify?neighbors=true", files={"image": ("q.png", png_bytes(probe))}
+        )
+        thumb = r.json()["neighbors"][0]["thumbnail_url"]
+        assert thumb and httpx.get(srv.url + thumb).headers["content-type"].startswith("image/")
     finally:
         srv.kill()
 

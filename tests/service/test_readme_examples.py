@@ -1,6 +1,7 @@
 """Every curl example of the README and of the documentation site's pages, as pasted, against a
 real server: each runs (curl exit 0) and answers no problem. The examples name
-runs/demo/examples/ (what `make run` writes) and port 8000; here they run in a directory holding
+runs/demo/examples/ (what `make run` writes), runs/photos-lite0/examples/ (`make photos`) and
+port 8000; here they run in a directory holding
 those files, against a free port."""
 
 import json
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from service.tools.examples import write_examples
+from service.tools.examples import write_examples, write_photo_examples
 
 from .conftest import Server
 
@@ -53,6 +54,7 @@ def test_every_curl_example_of_the_readme_runs_as_pasted(base_run, tmp_path):
     commands = readme_curl_commands()
     assert len(commands) >= 6 and any("/gallery/add" in c for c in commands)
     write_examples(tmp_path / "runs" / "demo" / "examples")
+    write_photo_examples(tmp_path / "runs" / "photos-lite0" / "examples")  # make photos'
     srv = Server(base_run, tmp_path / "data", None)
     try:
         for cmd in commands:
