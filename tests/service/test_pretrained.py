@@ -3,7 +3,7 @@ pypi:efficientnet-lite0 --epochs 0` writes a run dir of the wheel's ImageNet wei
 gallery starts empty, `snca-build-index` indexes nothing, and a real snca-serve process answers
 "unknown" with no label until labels are registered from five crops of real photographs; then
 other crops of them are named, photographs of other things stay unknown, and a restart keeps
-it all."""
+it all. The web page's first screen on the empty gallery says to register a label first."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _ask(url: str, img) -> dict:
     return r.json()
 
 
-def test_served_with_nothing_trained_then_named_from_five_photos_and_kept(lite0, tmp_path):
+def test_served_with_nothing_trained_then_named_from_five_photos_and_kept(lite0, tmp_path, browser):
     card = json.loads((lite0 / "model.json").read_text())
     assert card["config"]["class_names"] == [] and card["config"]["embedding_dim"] == 1280
     assert card["config"]["arch"] == "timm:tf_efficientnet_lite0"
@@ -61,12 +61,26 @@ def test_served_with_nothing_trained_then_named_from_five_photos_and_kept(lite0,
         assert ready["items"] == 0
         first = _ask(srv.url, crops(photo("coffee"), 1, 5, CUP_BOX)[0])
         assert first["unknown"] and first["label"] is None and first["nearest_label"] is None
+        # the page's first screen says what to do first, and takes the user there
+        from playwright.sync_api import expect
+
+        page = browser.new_page()
+        page.goto(srv.url + "/")
+        expect(page.locator("#empty-gallery")).to_be_visible()
+        expect(page.locator("#empty-gallery")).to_contain_text("The gallery is empty")
+        page.click("#empty-register")
+        expect(page.locator("#tab-register")).to_be_visible()
 
         for name, (src, box) in OBJECTS.items():
             shots = [("images", (f"{i}.png", png_bytes(c))) for i, c in enumerate(crops(photo(src), 5, 1, box))]  # fmt: skip
             r = httpx.post(srv.url + "/gallery/add", data={"label": name}, files=shots, timeout=60)
             assert r.status_code == 201, r.text
             assert not any("alike" in w for w in r.json()["diagnostics"]["warnings"])
+
+        page.reload()
+        expect(page.locator("#status")).to_contain_text("items")
+        expect(page.locator("#empty-gallery")).to_be_hidden()
+        page.close()
 
         answers = {
             name: [_ask(srv.url, c)["label"] for c in crops(photo(src), 8, 7, box, flip=True)]

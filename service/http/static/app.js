@@ -314,6 +314,7 @@ async function refreshStatus() {
   applyAccess();
   try {
     const r = await api("/gallery/labels?limit=1");
+    $("empty-gallery").hidden = r.total !== 0; // a model served with nothing trained starts here
     $("status").textContent = `${r.total} items · ${r.label_count} labels · version ${r.gallery_version}` + (access === "read" ? " · read-only key" : "");
   } catch (e) {
     $("status").textContent = e.message.startsWith("401") ? "API key needed" : "service unreachable";
@@ -345,6 +346,7 @@ document.addEventListener("DOMContentLoaded", () => {
   dropZone($("search-file").parentElement, $("search-file"), search);
   $("register-form").addEventListener("submit", register);
   $("classify-register").addEventListener("click", carryToRegister);
+  $("empty-register").addEventListener("click", () => showTab("register"));
   $("register-files").addEventListener("change", () => { $("register-carried").hidden = true; });
   for (const f of ["classify-form", "search-form"]) $(f).addEventListener("submit", (e) => e.preventDefault());
   refreshStatus();

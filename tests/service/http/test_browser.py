@@ -11,19 +11,6 @@ from tests.conftest import run_cli
 
 from ..conftest import Server, of_class, png
 
-CHROMIUM = "/usr/bin/chromium"
-# Flags for a sandboxed machine with no outside network (the background services of Chromium
-# would try to reach Google's hosts; as root it needs --no-sandbox).
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
 
 @pytest.fixture(scope="module")
 def server(base_run, tmp_path_factory):
@@ -33,17 +20,6 @@ def server(base_run, tmp_path_factory):
     s = Server(base_run, tmp / "serve", None, "--index", str(tmp / "index"), "--thumbnails")
     yield s
     s.kill(15)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} missing: `make test` installs it (apt)"
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        yield b
-        b.close()
 
 
 @pytest.mark.slow
