@@ -150,7 +150,7 @@ def world_statistics(cfg: BuildConfig, model, vec: Vectors, log):
         return world.load(run.world, model.fingerprint)
     if len(vec.dataset_indices) == 0:
         log(
-            "world statistics: none (nothing trained); each label you register is checked against its own images"
+            "world statistics: none (nothing trained): the service's label check alone says what is unknown"
         )
         return None
     try:
