@@ -74,6 +74,10 @@ class BuildConfig:
     thumbnails: bool = False  # a preview of every dataset item in the store (the web page)
     space: str = "embedding"  # embedding.model.SPACES: the vectors indexed (and served)
     reuse: bool = False  # keep `out` when it is already this build (same model and options)
+    # index the run's training images as trained items; False: none (a run trained on an
+    # exported gallery, whose items `snca-gallery upgrade --to` carries: else each would be
+    # in the gallery twice)
+    trained_items: bool = True
 
 
 @dataclass
@@ -204,6 +208,12 @@ def load_vectors(cfg: BuildConfig, log=_say) -> tuple[Vectors, object]:
         raise SNCAError(str(e)) from None
     labels = bank.labels.numpy().astype(np.int64)
     indices = bank.indices.numpy().astype(np.int64)
+    if not cfg.trained_items:
+        log(
+            f"--no-trained-items: the {len(labels)} training images are not indexed (the gallery carried to this model holds them)"
+        )
+        dim = space_dim(model, cfg.space)
+        return Vectors(np.zeros((0, dim), np.float32), labels[:0], indices[:0]), model
     if len(labels) == 0 and not model.config.class_names:
         # `snca-train --epochs 0`: pretrained weights, nothing trained; the gallery starts empty
         log(
@@ -510,6 +520,7 @@ def current_build(cfg: BuildConfig) -> IndexManifest | None:
         and all(m.search_params.get(k) == v for k, v in wanted.items() if v is not None)
         and all((Path(cfg.out) / name).is_file() for name in m.files)
         and m.build.get("world") is not None  # (built before the world check: built again)
+        and m.build.get("trained_items", True) == cfg.trained_items
     )
     return m if same else None
 
@@ -623,6 +634,7 @@ def build(cfg: BuildConfig, log=_say) -> IndexManifest:
                 ),
                 "world_seconds": round(t_world, 2),
                 "pair_similarity": None if spread is None else round(spread, 4),
+                "trained_items": cfg.trained_items,
                 "faiss": faiss.__version__,
             },
             files={

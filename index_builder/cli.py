@@ -112,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
         "shows them; ~0.4 KB per Fashion-MNIST item)",
     )
     p.add_argument(
+        "--no-trained-items",
+        dest="trained_items",
+        action="store_false",
+        help="index none of the run's training images: for a run trained on an exported "
+        "gallery (snca-gallery export), whose items snca-gallery upgrade --to (or a start on "
+        "the same data dir) carries; indexed too, each would be in the gallery twice",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace an existing --out (kept until the new index is complete)",

@@ -284,6 +284,9 @@ def open_state(args: dict, **overrides):
     from service.startup import ServiceHost
 
     given = {k.replace("-", "_"): v for k, v in args.items() if k in SETTINGS}
+    # a tool embeds in batches of its own: the server's warm-up of every batch size and its
+    # fused small-batch copies would only cost start-up (a photo model: ~30 s, several GB)
+    overrides = {"warmup_seconds": 0, "fused_batches": 0, **overrides}
     try:
         settings = Settings(**given, **overrides)
     except ValidationError as e:
@@ -433,7 +436,7 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
     label_dirs: dict[str, str] = {}
     dir_fds: dict[str, int] = {}
     taken: set[str] = set()
-    images, after = {}, -1
+    images, after, missing = {}, -1, 0
     images_dir = _mkdir(root, "images")
     try:
         while True:  # the stored images of added items, by id
@@ -441,6 +444,7 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
             if not page:
                 break
             for it in page:
+                missing += it.image is None
                 if it.image is not None:
                     sub = label_dirs.setdefault(it.label, _folder(it.label, taken))
                     if sub not in dir_fds:
@@ -479,7 +483,15 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
                 after = page[-1].id
     _write_new(root, "labels.json", json.dumps(label_dirs, ensure_ascii=False, indent=1).encode())
     summary = {"gallery_version": version, "items": n, "images": len(images)}
+    summary["added_without_image"] = missing
     _write_new(root, "export.json", json.dumps(summary, indent=1).encode())
+    if missing:  # a training run on OUT/images (snca-train --dataset imagefolder) lacks them
+        print(
+            f"snca-gallery: warning: {missing} added items have no stored image (added with "
+            "SNCA_STORE_IMAGES off or over SNCA_MAX_STORED_IMAGE_BYTES): they are in "
+            "items.jsonl but not in images/, so a model trained on images/ never sees them",
+            file=sys.stderr,
+        )
     return n, len(images), version
 
 

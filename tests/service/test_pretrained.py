@@ -7,7 +7,9 @@ it all. The web page's first screen on the empty gallery says to register a labe
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 from tests.conftest import run_cli
 
 from .conftest import Server
+from .helpers import Backend
 from .photos import CUP_BOX, crops, photo, png_bytes
 
 OBJECTS = {
@@ -125,3 +128,76 @@ def test_the_cli_says_what_epochs_0_needs(tmp_path):
     p = run_cli("training", "--epochs", "0", "--out", tmp_path / "r")
     assert p.returncode == 2 and "pass them with --init" in p.stderr
     assert not (tmp_path / "r").exists()
+
+
+_TRAINED: dict[str, Path] = {}  # the export's images (digest) -> the run trained on them
+
+
+def _retrained(lite0: Path, images: Path, out: Path) -> Path:
+    """snca-train on an exported gallery's images, from the served model. Both backends export
+    the same images (same crops, same ids, same bytes: the digest says so), so the run trained
+    on the first export serves the second test too: what differs by backend is the export and
+    the carry, not the training."""
+    h = hashlib.sha256()
+    for f in sorted(images.rglob("*")):
+        if f.is_file():
+            h.update(str(f.relative_to(images)).encode() + b"\0" + f.read_bytes())
+    key = h.hexdigest()
+    if key not in _TRAINED:
+        p = run_cli(
+            "training", "--dataset", "imagefolder", "--data-dir", images, "--init", lite0,
+            "--epochs", "1", "--batch-size", "8", "--val-size", "0", "--num-workers", "0",
+            "--out", out, "--no-progress",
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        _TRAINED[key] = out
+    return _TRAINED[key]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_retrained_on_what_users_labelled_and_carried_to_it(lite0, tmp_path, request, kind):
+    """Point 4: the gallery's labelled images (exported from the store, either backend) train
+    a new model from the served one; indexed without trained items, the new model's start on
+    the same store carries every live item to it (re-embedded from the stored images). An item
+    added without a stored image is counted at export and left behind by the carry."""
+    pg = request.getfixturevalue("postgres") if kind == "postgresql" else None
+    store = Backend(kind, tmp_path, pg)
+    srv = store.start(lite0, model_process=False)
+    try:
+        for name, (src, box) in list(OBJECTS.items())[:3]:
+            shots = [("images", (f"{i}.png", png_bytes(c))) for i, c in enumerate(crops(photo(src), 5, 1, box))]  # fmt: skip
+            r = httpx.post(srv.url + "/gallery/add", data={"label": name}, files=shots, timeout=60)
+            assert r.status_code == 201, r.text
+    finally:
+        srv.kill()
+    bare = store.start(lite0, env={"SNCA_STORE_IMAGES": "0"}, model_process=False)
+    try:
+        one = png_bytes(crops(photo("astronaut"), 1, 1)[0])
+        r = httpx.post(bare.url + "/gallery/add", data={"label": "astronaut"},
+                       files={"images": ("a.png", one)}, timeout=60)  # fmt: skip
+        assert r.status_code == 201, r.text
+    finally:
+        bare.kill()
+
+    out = tmp_path / "export"
+    p = store.tool(lite0, "export", out, "--no-progress")
+    assert "1 added items have no stored image" in p.stderr
+    assert json.loads((out / "export.json").read_text())["added_without_image"] == 1
+    ft = _retrained(lite0, out / "images", tmp_path / "ft")
+    card = json.loads((ft / "model.json").read_text())
+    assert card["config"]["class_names"] == ["cat", "cup", "rocket"]
+    assert card["config"]["arch"] == "timm:tf_efficientnet_lite0"
+    ix = tmp_path / "ft-index"
+    q = run_cli("index_builder", ft, "--out", ix, "--no-trained-items", "--no-progress")
+    assert q.returncode == 0, q.stderr
+    assert "0 vectors" in q.stdout and "not indexed" in q.stdout
+
+    new = store.start(ft, "--index", str(ix), model_process=False)  # carries the gallery
+    try:
+        ready = httpx.get(new.url + "/readyz").json()
+        assert ready["model_fingerprint"] == card["fingerprint"]
+        assert ready["items"] == 15  # the 15 stored images; the bare item could not be re-embedded
+        got = [_ask(new.url, c) for c in crops(photo("chelsea"), 4, 7, flip=True)]
+        assert sum(a["nearest_label"] == "cat" for a in got) >= 3, got
+    finally:
+        new.kill()
