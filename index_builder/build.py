@@ -208,19 +208,18 @@ def load_vectors(cfg: BuildConfig, log=_say) -> tuple[Vectors, object]:
         raise SNCAError(str(e)) from None
     labels = bank.labels.numpy().astype(np.int64)
     indices = bank.indices.numpy().astype(np.int64)
+    # an index of no vectors: a run of `snca-train --epochs 0` (nothing trained), or one whose
+    # training images the carried gallery already holds (--no-trained-items)
     if not cfg.trained_items:
-        log(
-            f"--no-trained-items: the {len(labels)} training images are not indexed (the gallery carried to this model holds them)"
-        )
+        why = f"--no-trained-items: the {len(labels)} training images are not indexed (the gallery carried to this model holds them)"
+    elif len(labels) == 0 and not model.config.class_names:
+        why = "an empty gallery (nothing trained): labels come from /gallery/add, snca-gallery import or the page"
+    else:
+        why = None
+    if why is not None:
+        log(why)
         dim = space_dim(model, cfg.space)
         return Vectors(np.zeros((0, dim), np.float32), labels[:0], indices[:0]), model
-    if len(labels) == 0 and not model.config.class_names:
-        # `snca-train --epochs 0`: pretrained weights, nothing trained; the gallery starts empty
-        log(
-            "an empty gallery (nothing trained): labels come from /gallery/add, snca-gallery import or the page"
-        )
-        dim = space_dim(model, cfg.space)
-        return Vectors(np.zeros((0, dim), np.float32), labels, indices), model
     if cfg.source == "memory":
         emb = bank.embeddings.numpy()
     else:
