@@ -103,6 +103,11 @@ def fashion_images(n: int = 200) -> list[bytes]:
     return out
 
 
+def _in_world(a: dict) -> bool:
+    """The world check's verdict on an answer (no check counts as in)."""
+    return a["world_score"] is None or a["world_score"] <= a["world_threshold"]
+
+
 def measure(run: Path, k: int, held_out: int) -> dict:
     from fastapi.testclient import TestClient
 
@@ -142,6 +147,11 @@ def measure(run: Path, k: int, held_out: int) -> dict:
         "unrelated": len(strangers),
         "unrelated_unknown": float(np.mean([a["unknown"] for a in strangers])),
         "fashion_mnist_unknown": float(np.mean([a["unknown"] for a in clothes])),
+        # the world check alone (fitted on the registered images: nothing trained)
+        "world_checked": float(np.mean([a["world_basis"] is not None for _, a in flat])),
+        "held_out_outside_world": float(np.mean([not _in_world(a) for _, a in flat])),
+        "unrelated_outside_world": float(np.mean([not _in_world(a) for a in strangers])),
+        "fashion_mnist_outside_world": float(np.mean([not _in_world(a) for a in clothes])),
         "classify_per_s": round(per_s, 1),
     }
 
@@ -161,7 +171,11 @@ def main() -> int:
             f"{100 * r['unknown']:.1f}%, nearest label right {100 * r['nearest_top1']:.1f}%, most "
             f"taken by another object {100 * r['max_taken_by_another']:.1f}%; unrelated photos "
             f"unknown {100 * r['unrelated_unknown']:.1f}% of {r['unrelated']}, Fashion-MNIST "
-            f"unknown {100 * r['fashion_mnist_unknown']:.1f}%; {r['classify_per_s']} classify/s",
+            f"unknown {100 * r['fashion_mnist_unknown']:.1f}%; {r['classify_per_s']} classify/s; "
+            f"the world check alone (on {100 * r['world_checked']:.0f}% of crops): outside "
+            f"{100 * r['held_out_outside_world']:.1f}% of held-out crops, "
+            f"{100 * r['unrelated_outside_world']:.1f}% of unrelated, "
+            f"{100 * r['fashion_mnist_outside_world']:.1f}% of Fashion-MNIST",
             flush=True,
         )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -189,11 +189,19 @@ class WorldFit:
     # looser than a class gets a radius in proportion).
     same_radius: float = 1.0
     spread: float = 2.0
+    # "training": fitted on the training world (the index builder); "gallery": no training
+    # world (nothing trained), fitted by the service on the registered images (fit_gallery);
+    # `unfitted()` is such a fit before two registered images exist
+    source: str = "training"
     _w32: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def rank(self) -> int:
-        return int(self.whiten.shape[1])
+        return int(self.whiten.shape[-1])  # (D, r), or (D,) for a diagonal whitening
+
+    @property
+    def fitted(self) -> bool:
+        return len(self.mean) > 0
 
     def z(self, s: np.ndarray | torch.Tensor) -> np.ndarray:
         """(B, D) statistics -> (B, r) whitened coordinates (float32: the serving hot path;
@@ -202,7 +210,8 @@ class WorldFit:
         if self._w32 is None:
             self._w32 = (self.mean.astype(np.float32), self.whiten.astype(np.float32))
         mean, whiten = self._w32
-        return (np.asarray(s, dtype=np.float32) - mean) @ whiten
+        c = np.asarray(s, dtype=np.float32) - mean
+        return c * whiten if whiten.ndim == 1 else c @ whiten
 
     def score(self, z: np.ndarray) -> np.ndarray:
         """(B, r) -> (B,) Mahalanobis distance per dimension: about 1 for the training world,
@@ -257,6 +266,43 @@ def fit(
     w.calibration = np.sort(w.score(zc))
     if calibration_labels is not None:
         w.same_radius, w.spread = _few_shot_radius(w, zc, np.asarray(calibration_labels), seed)
+    return w
+
+
+GALLERY_PRIOR = 10.0  # pseudo-images of the isotropic prior in fit_gallery's variances
+
+
+def unfitted() -> WorldFit:
+    """The world of a model with nothing trained, before the gallery has images to fit it on
+    (the service fits it with fit_gallery as images are registered)."""
+    return WorldFit(np.zeros(0), np.zeros(0), np.zeros(0), 0, source="gallery")
+
+
+def fit_gallery(
+    stats: np.ndarray, labels: np.ndarray, prior: float = GALLERY_PRIOR, seed: int = 0
+) -> WorldFit | None:
+    """The world of the registered images themselves, when there is no training world:
+    `stats` (n, D) of registered images, `labels` (n,) theirs. None under 2 images (no spread
+    to measure a distance by).
+
+    Diagonal: a full covariance from tens of images in ~1,000 dimensions is not estimable.
+    Each dimension's variance is shrunk towards the mean variance by `prior` pseudo-images,
+    (n var_j + prior mean(var)) / (n + prior), so that a few images give a nearly isotropic
+    metric and many a per-dimension one. No threshold on the score (there are no held-out
+    known images): the check is each label's own radius (WorldFit.radius), with `same_radius`
+    and `spread` calibrated as the training world's are, on labels with 6 or more images
+    (_few_shot_radius), and the training world's defaults (1.0, 2.0) before any has."""
+    s = np.asarray(stats, dtype=np.float64)
+    if len(s) < 2:
+        return None
+    mean = s.mean(axis=0)
+    var = s.var(axis=0)
+    iso = float(var.mean())
+    if not iso > 0:
+        return None
+    var = (len(s) * var + prior * iso) / (len(s) + prior)
+    w = WorldFit(mean, 1.0 / np.sqrt(var), np.zeros(0), len(s), source="gallery")
+    w.same_radius, w.spread = _few_shot_radius(w, w.z(s), np.asarray(labels), seed)
     return w
 
 

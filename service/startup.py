@@ -29,7 +29,7 @@ from embedding.errors import ArtifactError, SNCAError
 from embedding.index import IndexDir, open_index_dir
 from embedding.progress import Progress
 from embedding.rundir import RunDir
-from embedding.world import WORLD_FILE, WorldFit
+from embedding.world import WORLD_FILE, WorldFit, unfitted
 from embedding.world import load as load_world_fit
 from service.config import Settings
 from service.gallery import Gallery, VectorIndex
@@ -95,15 +95,20 @@ class Beside:
 
 
 def load_world(settings: Settings, ix: IndexDir, fingerprint: str) -> WorldFit | None:
-    """The index dir's world statistics (embedding/world.py), or None: none there (an index
-    built before them: rebuild it to get the world check), or the check turned off."""
+    """The index dir's world statistics (embedding/world.py); an unfitted gallery world for an
+    index of nothing trained (service/gallery/world.py fits it on the registered images); or
+    None: none there (an index built before them: rebuild it to get the world check), or the
+    check turned off."""
     path = ix.path / WORLD_FILE
     if settings.world_tpr <= 0:
         return None
     if not path.is_file():
         if ix.manifest.count == 0 and not ix.manifest.class_names:  # snca-train --epochs 0
-            log.info("no world statistics (nothing trained): the label check alone says unknown")
-            return None
+            log.info(
+                "no training world (nothing trained): the world check is fitted on the "
+                "registered images themselves (from the second one on)"
+            )
+            return unfitted()
         log.warning(
             "the index dir %s has no world statistics (built before the world check): serving "
             "without it; snca-build-index builds them",

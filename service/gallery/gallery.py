@@ -158,7 +158,7 @@ class Gallery:
             self.rows = Rows(self.dim, dense=len(items) <= self.exact_max)
             self.stats = LabelStats(self.dim)
             self.openset = OpenSet(self.dim, self.openset.k, self.openset.sample_size)
-            self.worlds = Worlds(self.worlds.fit, self.worlds.tpr, self.worlds.sample_size)
+            self.worlds = Worlds(self.worlds.given, self.worlds.tpr, self.worlds.sample_size)
             self._snapshot = None
         self.load_items(items)
         self.version = version

@@ -9,6 +9,13 @@ vote chose holds?
   within the radius. Recomputed for the labels a write touches. A user's photos on a
   Fashion-MNIST model are outside the training world, and are recognised as theirs all the same.
 - A label with both: either world will do.
+- No training world (a model served with nothing trained, `WorldFit.source == "gallery"`): the
+  metric itself is fitted on the registered images (embedding.world.fit_gallery, on a
+  bottom-k-by-hash sample of FIT_SAMPLE of them, so replicas agree), and each label is checked
+  against its own images as above. Refitted when that sample changes (every write while the
+  gallery is small, rarely once it is large), which re-derives every label's z and radius.
+  Before two registered images exist there is no metric: no world check (before any label
+  exists every answer is unknown anyway: there is nothing to vote for).
 - A label whose added items have no statistics (added before schema 5) and no trained items,
   or a gallery without a fit (an index built before the world check): no world check.
 """
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedding import openset
-from embedding.world import WorldFit
+from embedding.world import WorldFit, fit_gallery
 from service.gallery.openset import LabelSample
 
 
@@ -33,20 +40,29 @@ class WorldVerdict:
 
 
 NO_CHECK = WorldVerdict(None, None, True, None)
+FIT_SAMPLE = 1024  # registered images a gallery-fitted world is fitted on (fit_gallery)
 
 
 class Worlds:
     def __init__(self, fit: WorldFit | None, tpr: float, sample: int = openset.SAMPLE):
-        self.fit = fit
+        self.given = fit  # what the index dir gave (a gallery-fitted world: before its fit)
+        self.gallery_fitted = fit is not None and fit.source == "gallery"
+        self.fit = fit if fit is not None and fit.fitted else None
         self.tpr = tpr
-        self.threshold = fit.threshold(tpr) if fit is not None and tpr > 0 else None
+        self.threshold = (
+            fit.threshold(tpr)
+            if self.fit is not None and len(fit.calibration) and tpr > 0
+            else None
+        )
         self.sample_size = sample
         self.own: dict[int, LabelSample] = {}  # label id -> its added items' z (sampled)
         self.radius: dict[int, float] = {}
+        self.raw: dict[int, LabelSample] = {}  # gallery-fitted: the same samples' statistics
+        self._fitted_ids: tuple = ()
 
     @property
     def enabled(self) -> bool:
-        return self.fit is not None and self.threshold is not None
+        return self.gallery_fitted or (self.fit is not None and self.threshold is not None)
 
     def z(self, stats: np.ndarray | None) -> np.ndarray | None:
         """(B, D) statistics -> (B, r) whitened (None without a fit or statistics)."""
@@ -56,33 +72,79 @@ class Worlds:
 
     def added(self, c: int, ids: np.ndarray, stats: list | np.ndarray | None) -> None:
         """Items `ids` added to label `c` with their statistics (rows may be None)."""
-        if stats is None or self.fit is None:
+        if stats is None or (self.fit is None and not self.gallery_fitted):
             return
-        keep = [i for i, s in enumerate(stats) if s is not None and len(s) == len(self.fit.mean)]
+        width = len(self.fit.mean) if not self.gallery_fitted else self._width(stats)
+        keep = [i for i, s in enumerate(stats) if s is not None and len(s) == width]
         if not keep:
             return
-        z = self.fit.z(np.stack([np.asarray(stats[i], np.float32) for i in keep]))
+        raw = np.stack([np.asarray(stats[i], np.float32) for i in keep])
+        ids = np.asarray(ids, dtype=np.int64)[keep]
+        if self.gallery_fitted:  # z follows at recalibrate, from the fit of the new sample
+            r = self.raw.get(c)
+            if r is None:
+                r = self.raw[c] = LabelSample(width, self.sample_size)
+            r.add(ids, raw)
+            return
         s = self.own.get(c)
         if s is None:
             s = self.own[c] = LabelSample(self.fit.rank, self.sample_size)
-        s.add(np.asarray(ids, dtype=np.int64)[keep], z)
+        s.add(ids, self.fit.z(raw))
+
+    def _width(self, stats) -> int:
+        """D of a gallery-fitted world: that of the samples held, else of these rows."""
+        for r in self.raw.values():
+            return r.emb.shape[1]
+        return next((len(s) for s in stats if s is not None), -1)
 
     def removed(self, c: int, item_id: int) -> None:
-        s = self.own.get(c)
-        if s is not None:
-            s.remove(item_id)
+        for samples in (self.own, self.raw):
+            s = samples.get(c)
+            if s is not None:
+                s.remove(item_id)
 
     def recalibrate(self, labels) -> None:
-        """The radius of each of `labels` anew from its sample."""
+        """The radius of each of `labels` anew from its sample (gallery-fitted: the fit first,
+        and every label when it moved)."""
+        if self.gallery_fitted and self._refit():
+            labels = list(self.raw)
         if self.fit is None:
             return
         for c in labels:
+            if self.gallery_fitted:
+                r = self.raw.get(c)
+                if r is None or not len(r.ids):
+                    self.raw.pop(c, None)
+                    self.own.pop(c, None)
+                else:
+                    s = self.own[c] = LabelSample(self.fit.rank, self.sample_size)
+                    s.ids, s.prio, s.emb = r.ids, r.prio, self.fit.z(r.emb)
             s = self.own.get(c)
             if s is None or not len(s.ids):
                 self.own.pop(c, None)
                 self.radius.pop(c, None)
                 continue
             self.radius[c] = self.fit.radius(s.emb)
+
+    def _refit(self) -> bool:
+        """Fit the gallery's world anew when the FIT_SAMPLE lowest-priority sampled images
+        changed (whatever the order they came in: replicas agree); True when it moved."""
+        rows = [(p, i, c, k) for c, r in self.raw.items() for k, (i, p) in enumerate(zip(r.ids, r.prio, strict=True))]  # fmt: skip
+        rows.sort()
+        rows = rows[:FIT_SAMPLE]
+        ids = tuple(i for _, i, _, _ in rows)
+        if ids == self._fitted_ids:
+            return False
+        self._fitted_ids = ids
+        if len(rows) < 2:
+            self.fit = None
+        else:
+            stats = np.stack([self.raw[c].emb[k] for _, _, c, k in rows])
+            self.fit = fit_gallery(stats, np.array([c for _, _, c, _ in rows]))
+        if self.fit is None:
+            self.own.clear()
+            self.radius.clear()
+        return True
 
     def check(self, label_ids: list[int], z: np.ndarray | None, trained: np.ndarray) -> list:
         """A WorldVerdict per query: label_ids (B,) the labels the vote chose (-1: none),

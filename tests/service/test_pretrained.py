@@ -14,7 +14,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from PIL import Image
 
+from embedding.datasets import load_raw
 from tests.conftest import run_cli
 
 from .conftest import Server
@@ -85,10 +87,16 @@ def test_served_with_nothing_trained_then_named_from_five_photos_and_kept(lite0,
         expect(page.locator("#empty-gallery")).to_be_hidden()
         page.close()
 
-        answers = {
-            name: [_ask(srv.url, c)["label"] for c in crops(photo(src), 8, 7, box, flip=True)]
+        full = {
+            name: [_ask(srv.url, c) for c in crops(photo(src), 8, 7, box, flip=True)]
             for name, (src, box) in OBJECTS.items()
         }
+        answers = {name: [a["label"] for a in got] for name, got in full.items()}
+        # no training world: the world check is fitted on the registered photos themselves,
+        # and their other crops are of their label's world
+        flat = [a for got in full.values() for a in got]
+        assert all(a["world_basis"] == "label" for a in flat), flat[0]
+        assert np.mean([a["world_score"] <= a["world_threshold"] for a in flat]) >= 0.9
         right = np.mean([a == name for name, got in answers.items() for a in got])
         taken = np.mean(
             [a not in (name, None) for name, got in answers.items() for a in got]
@@ -100,6 +108,10 @@ def test_served_with_nothing_trained_then_named_from_five_photos_and_kept(lite0,
         known = [(s, a["label"]) for s, a in zip(STRANGERS, strangers, strict=True) if not a["unknown"]]  # fmt: skip
         assert len(known) <= 0.1 * len(STRANGERS), known
         assert all(a["label"] is None and a["nearest_label"] for a in strangers if a["unknown"])
+        outside = [a["unknown_reason"] == "outside_world" for a in strangers]
+        assert np.mean(outside) >= 0.9, strangers  # the world check alone says so
+        garment = _ask(srv.url, Image.fromarray(load_raw("fashion-mnist", "test").source.get(0)[0].numpy()))  # fmt: skip
+        assert garment["unknown"] and garment["unknown_reason"] == "outside_world", garment
         probe = crops(photo("chelsea"), 1, 11)[0]
         before = _ask(srv.url, probe)
         # a photo model keeps thumbnails of what is registered without being told to
@@ -120,6 +132,9 @@ def test_served_with_nothing_trained_then_named_from_five_photos_and_kept(lite0,
             before["nearest_label"],
         )
         assert abs(after["best_similarity"] - before["best_similarity"]) < 1e-5
+        # the gallery's world is fitted anew from the store: the same fit, the same verdict
+        assert after["world_score"] == pytest.approx(before["world_score"], rel=1e-4)
+        assert after["world_threshold"] == pytest.approx(before["world_threshold"], rel=1e-6)
     finally:
         again.kill()
 

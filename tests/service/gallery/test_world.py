@@ -147,3 +147,40 @@ def test_leave_one_out_placeholders_never_become_a_threshold():
     o.recalibrate([0], np.array([30, 1]), search, labels_of, lambda c: None, 64)
     th = o.calibration.thresholds(2, 0.999)
     assert not np.any(th == -1.0), th
+
+
+def _gallery_world(order, rows, labels):
+    from embedding.world import unfitted
+    from service.gallery.world import Worlds
+
+    w = Worlds(unfitted(), 0.99)
+    for i in order:
+        w.added(int(labels[i]), np.array([i]), [rows[i]])
+        w.recalibrate([int(labels[i])])
+    return w
+
+
+def test_a_world_fitted_on_the_registered_images_agrees_whatever_their_order():
+    """No training world (nothing trained): the metric is fitted on the registered images. Two
+    replicas that applied the same adds in other orders (or a restart that loaded them at
+    once) judge a query alike; under two images there is no metric and so no check."""
+    rng = np.random.default_rng(0)
+    centres = rng.normal(0, 3, (3, 40))
+    labels = np.repeat(np.arange(3), 7)
+    rows = (centres[labels] + rng.normal(0, 0.3, (21, 40))).astype(np.float32)
+    one = _gallery_world([0], rows, labels)
+    assert one.fit is None and one.enabled
+    assert one.check([0], one.z(rows[:1]), np.zeros(3)) == [one.check([0], None, np.zeros(3))[0]]
+    a = _gallery_world(range(21), rows, labels)
+    b = _gallery_world(rng.permutation(21), rows, labels)
+    q = np.concatenate([centres, rng.normal(0, 3, (3, 40))])  # each label's own centre; strangers
+    q = q.astype(np.float32)
+    va = a.check([0, 1, 2, 0, 1, 2], a.z(q), np.zeros(3))
+    vb = b.check([0, 1, 2, 0, 1, 2], b.z(q), np.zeros(3))
+    assert [v.basis for v in va] == ["label"] * 6
+    assert [round(v.score, 6) for v in va] == [round(v.score, 6) for v in vb]
+    assert [v.ok for v in va] == [True, True, True, False, False, False]
+    # a delete refits: the label's radius and the metric come from what is left
+    a.removed(0, 0)
+    a.recalibrate([0])
+    assert 0 not in a.own[0].ids and a.fit.fitted_on == 20
