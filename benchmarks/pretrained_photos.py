@@ -20,6 +20,7 @@ import argparse
 import io
 import json
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -108,41 +109,61 @@ def _in_world(a: dict) -> bool:
     return a["world_score"] is None or a["world_score"] <= a["world_threshold"]
 
 
-def measure(run: Path, k: int, held_out: int) -> dict:
+def _margin(name: str, a: dict) -> float:
+    """Cosine similarity of the nearest item of the right object minus that of the nearest
+    other one, among the answer's neighbours (an absent side counts as the farthest shown)."""
+    sims = [n["similarity"] for n in a["neighbors"]]
+    right = max((n["similarity"] for n in a["neighbors"] if n["label"] == name), default=min(sims))
+    other = max((n["similarity"] for n in a["neighbors"] if n["label"] != name), default=min(sims))
+    return right - other
+
+
+def measure(run: Path, k: int, held_out: int, data_dir: Path | None = None) -> dict:
+    """`data_dir` given: the gallery there (registered when empty, else carried to `run` at
+    start-up, as a retrained model's start does)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return _measure(run, k, held_out, data_dir or Path(tmp))
+
+
+def _measure(run: Path, k: int, held_out: int, data_dir: Path) -> dict:
     from fastapi.testclient import TestClient
 
-    with tempfile.TemporaryDirectory() as tmp:
-        app = create_app(Settings(model=run, data_dir=Path(tmp), model_process=False))
-        with TestClient(app, base_url="http://localhost") as c:
+    fresh = not any(data_dir.glob("*.sqlite"))
+    app = create_app(Settings(model=run, data_dir=data_dir, model_process=False))
+    with TestClient(app, base_url="http://localhost") as c:
 
-            def ask(b: bytes) -> dict:
-                r = c.post("/classify", files={"image": ("q.jpg", b, "image/jpeg")})
-                r.raise_for_status()
-                return r.json()
+        def ask(b: bytes) -> dict:
+            r = c.post("/classify?neighbors=true", files={"image": ("q.jpg", b, "image/jpeg")})
+            r.raise_for_status()
+            return r.json()
 
-            for name, (src, box) in OBJECTS.items():
-                files = [("images", (f"{i}.jpg", b, "image/jpeg")) for i, b in enumerate(crops(photo(src), k, 1, box))]  # fmt: skip
-                c.post("/gallery/add", data={"label": name}, files=files).raise_for_status()
-            rows, t0, n = {}, time.perf_counter(), 0
-            for name, (src, box) in OBJECTS.items():
-                rows[name] = [ask(b) for b in crops(photo(src), held_out, 7, box, hard=True)]
-                n += held_out
-            per_s = n / (time.perf_counter() - t0)
-            flat = [(name, a) for name, got in rows.items() for a in got]
-            taken = max(
-                np.mean([a["label"] == other for a in got])
-                for name, got in rows.items()
-                for other in OBJECTS
-                if other != name
-            )
-            strangers = [ask(b) for b in unrelated_images()]
-            clothes = [ask(b) for b in fashion_images()]
+        deadline = time.monotonic() + 600  # a start on another model's gallery carries it
+        while c.get("/readyz").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for name, (src, box) in OBJECTS.items() if fresh else ():
+            files = [("images", (f"{i}.jpg", b, "image/jpeg")) for i, b in enumerate(crops(photo(src), k, 1, box))]  # fmt: skip
+            c.post("/gallery/add", data={"label": name}, files=files).raise_for_status()
+        rows, t0, n = {}, time.perf_counter(), 0
+        for name, (src, box) in OBJECTS.items():
+            rows[name] = [ask(b) for b in crops(photo(src), held_out, 7, box, hard=True)]
+            n += held_out
+        per_s = n / (time.perf_counter() - t0)
+        flat = [(name, a) for name, got in rows.items() for a in got]
+        taken = max(
+            np.mean([a["label"] == other for a in got])
+            for name, got in rows.items()
+            for other in OBJECTS
+            if other != name
+        )
+        strangers = [ask(b) for b in unrelated_images()]
+        clothes = [ask(b) for b in fashion_images()]
     return {
         "k": k,
         "held_out": len(flat),
         "top1": float(np.mean([a["label"] == name for name, a in flat])),
         "unknown": float(np.mean([a["unknown"] for _, a in flat])),
         "nearest_top1": float(np.mean([a["nearest_label"] == name for name, a in flat])),
+        "margin": round(float(np.mean([_margin(name, a) for name, a in flat])), 4),
         "max_taken_by_another": float(taken),
         "unrelated": len(strangers),
         "unrelated_unknown": float(np.mean([a["unknown"] for a in strangers])),
@@ -161,28 +182,62 @@ def main() -> int:
     ap.add_argument("run", type=Path)
     ap.add_argument("--held-out", type=int, default=20, help="crops per object to classify")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--retrain",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="also: after K = 5, `snca-train --dataset gallery --init RUN FLAGS` on that "
+        "gallery, index, start on it (the carry) and measure again; repeatable",
+    )
     a = ap.parse_args()
-    out = []
+    out, retrained = [], []
     for k in (1, 3, 5):
         r = measure(a.run, k, a.held_out)
         out.append(r)
-        print(
-            f"K={k}: top-1 {100 * r['top1']:.1f}% ({r['held_out']} held-out crops), unknown "
-            f"{100 * r['unknown']:.1f}%, nearest label right {100 * r['nearest_top1']:.1f}%, most "
-            f"taken by another object {100 * r['max_taken_by_another']:.1f}%; unrelated photos "
-            f"unknown {100 * r['unrelated_unknown']:.1f}% of {r['unrelated']}, Fashion-MNIST "
-            f"unknown {100 * r['fashion_mnist_unknown']:.1f}%; {r['classify_per_s']} classify/s; "
-            f"the world check alone (on {100 * r['world_checked']:.0f}% of crops): outside "
-            f"{100 * r['held_out_outside_world']:.1f}% of held-out crops, "
-            f"{100 * r['unrelated_outside_world']:.1f}% of unrelated, "
-            f"{100 * r['fashion_mnist_outside_world']:.1f}% of Fashion-MNIST",
-            flush=True,
-        )
+        _report(r)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, flags in enumerate(a.retrain):
+            data = Path(tmp) / f"data-{i}"
+            before = measure(a.run, 5, a.held_out, data)  # the same K = 5 gallery, kept
+            ft = Path(tmp) / f"ft-{i}"
+            t0 = time.perf_counter()
+            subprocess.run(
+                [sys.executable, "-m", "training", "--dataset", "gallery", "--init", str(a.run),
+                 "--data-dir", str(data), *flags.split(), "--out", str(ft), "--no-progress"],
+                check=True,
+            )  # fmt: skip
+            trained_s = time.perf_counter() - t0
+            subprocess.run([sys.executable, "-m", "index_builder", str(ft), "--no-progress"], check=True)  # fmt: skip
+            after = measure(ft, 5, a.held_out, data)
+            after |= {"flags": flags, "train_seconds": round(trained_s, 1)}
+            retrained.append({"before": before, "after": after})
+            print(f"retrained with `{flags}` ({trained_s:.0f} s): before / after")
+            _report(before)
+            _report(after)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of this process (model, app, client): {rss:.0f} MB")
     if a.json:
-        a.json.write_text(json.dumps({"results": out, "peak_rss_mb": round(rss)}, indent=2) + "\n")
+        doc = {"results": out, "retrained": retrained, "peak_rss_mb": round(rss)}
+        a.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
+
+
+def _report(r: dict) -> None:
+    k = r["k"]
+    print(
+        f"K={k}: top-1 {100 * r['top1']:.1f}% ({r['held_out']} held-out crops), unknown "
+        f"{100 * r['unknown']:.1f}%, nearest label right {100 * r['nearest_top1']:.1f}%, most "
+        f"taken by another object {100 * r['max_taken_by_another']:.1f}%; unrelated photos "
+        f"unknown {100 * r['unrelated_unknown']:.1f}% of {r['unrelated']}, Fashion-MNIST "
+        f"unknown {100 * r['fashion_mnist_unknown']:.1f}%; {r['classify_per_s']} classify/s; "
+        f"the world check alone (on {100 * r['world_checked']:.0f}% of crops): outside "
+        f"{100 * r['held_out_outside_world']:.1f}% of held-out crops, "
+        f"{100 * r['unrelated_outside_world']:.1f}% of unrelated, "
+        f"{100 * r['fashion_mnist_outside_world']:.1f}% of Fashion-MNIST; margin "
+        f"{r['margin']:+.3f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

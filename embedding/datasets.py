@@ -6,6 +6,7 @@ re-embeds the training images of a run by their dataset index).
 from __future__ import annotations
 
 import gzip
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,10 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import DataError
 
-DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagefolder")
+DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagefolder", "gallery")
+# datasets of image files in label folders: "gallery" is a served gallery's stored images,
+# exported by snca-train beside the run (training/gallery_source.py)
+FOLDER_DATASETS = ("imagefolder", "gallery")
 
 FASHION_CLASSES = [
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
@@ -51,6 +55,7 @@ STATS = {  # per-channel mean / std of the training images
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
     "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # ImageNet's
 }
+STATS["gallery"] = STATS["imagefolder"]
 SYSTEM_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 
 
@@ -282,6 +287,23 @@ def load_image_folder(root: Path, split: str, image_size: int, in_channels: int)
     )
 
 
+def load_gallery_export(images: Path, split: str, image_size: int, in_channels: int) -> RawDataset:
+    """A gallery exported by `snca-gallery export`: IMAGES/<folder>/<image>, the folder of each
+    label in IMAGES/../labels.json (a label that is no safe folder name has a number): the
+    class names are the gallery's labels."""
+    if split != "train":
+        raise DataError(f"an exported gallery has no {split} split")
+    raw = load_image_folder(images, split, image_size, in_channels)
+    try:
+        folders = json.loads((Path(images).parent / "labels.json").read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{images}: not an exported gallery (labels.json: {e})") from None
+    label_of = {folder: label for label, folder in folders.items()}
+    raw.class_names = [label_of.get(c, c) for c in raw.class_names]
+    raw.name = "gallery"
+    return raw
+
+
 def verify_images(source: FileSource, positions: np.ndarray, progress: bool = True) -> None:
     """Open every image once so an unreadable file fails before training starts."""
     from .progress import track
@@ -313,4 +335,8 @@ def load_raw(
                 "--dataset imagefolder needs --data-dir pointing at root/<class>/<images>"
             )
         return load_image_folder(data_dir, split, image_size or 64, in_channels or 3)
+    if name == "gallery":
+        if data_dir is None:
+            raise DataError("--dataset gallery: no exported gallery (snca-train makes it)")
+        return load_gallery_export(data_dir, split, image_size or 224, in_channels or 3)
     raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

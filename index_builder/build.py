@@ -211,7 +211,7 @@ def load_vectors(cfg: BuildConfig, log=_say) -> tuple[Vectors, object]:
     # an index of no vectors: a run of `snca-train --epochs 0` (nothing trained), or one whose
     # training images the carried gallery already holds (--no-trained-items)
     if not cfg.trained_items:
-        why = f"--no-trained-items: the {len(labels)} training images are not indexed (the gallery carried to this model holds them)"
+        why = f"the {len(labels)} training images are not indexed (--no-trained-items, the default for a run trained on a gallery: the gallery carried to this model holds them)"
     elif len(labels) == 0 and not model.config.class_names:
         why = "an empty gallery (nothing trained): labels come from /gallery/add, snca-gallery import or the page"
     else:

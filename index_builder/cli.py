@@ -8,6 +8,7 @@ snca-build-index runs/demo --out runs/demo/hnsw --factory HNSW32 --source recomp
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -112,12 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
         "shows them; ~0.4 KB per Fashion-MNIST item)",
     )
     p.add_argument(
-        "--no-trained-items",
+        "--trained-items",
         dest="trained_items",
-        action="store_false",
-        help="index none of the run's training images: for a run trained on an exported "
-        "gallery (snca-gallery export), whose items snca-gallery upgrade --to (or a start on "
-        "the same data dir) carries; indexed too, each would be in the gallery twice",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="index the run's training images; --no-trained-items indexes none, for a run "
+        "trained on a served gallery's images, whose items snca-gallery upgrade --to (or a "
+        "start on the same data dir) carries; indexed too, each would be in the gallery twice "
+        "(default: none for a run of snca-train --dataset gallery, all otherwise)",
     )
     p.add_argument(
         "--overwrite",
@@ -140,10 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _trained_on(run_dir: Path) -> str | None:
+    """The dataset the run was trained on (None: no readable config.json)."""
+    try:
+        return json.loads((Path(run_dir) / "config.json").read_text()).get("dataset")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     keep_freed_memory()  # re-embedding allocates the same large batches over and over
     given = {f.name: getattr(args, f.name) for f in fields(BuildConfig) if hasattr(args, f.name)}
+    if given.get("trained_items") is None:  # a gallery's own images: the carry brings them
+        given["trained_items"] = _trained_on(args.run_dir) != "gallery"
     cfg = BuildConfig(
         **{
             **given,

@@ -7,6 +7,7 @@ torchrun --nproc_per_node=2 -m training --dataset fashion-mnist --epochs 5 --out
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from embedding.cliutil import non_negative_int, positive_int
@@ -51,7 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir",
         help="dataset folder (ImageFolder root, or where to look for / "
         "download Fashion-MNIST and CIFAR; default $SNCA_DATA_DIR, then "
-        "/usr/share/datasets/fashion-mnist, then ~/.cache/snca/data)",
+        "/usr/share/datasets/fashion-mnist, then ~/.cache/snca/data); with --dataset gallery "
+        "the served gallery's data dir (default as snca-gallery's: data/<model>)",
+    )
+    g.add_argument(
+        "--store",
+        help="--dataset gallery: the gallery store, a SQLite file or "
+        "postgresql://USER[:PASSWORD]@HOST:PORT/DB (default as snca-gallery's: SNCA_STORE, "
+        "else the data dir's SQLite file); read, never written; not saved in the run dir",
     )
     g.add_argument("--classes", help="train on these classes only: ids or names, comma-separated")
     g.add_argument(
@@ -225,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, bool, bool]:
     if args.resume and args.overwrite:
         raise SNCAError("--resume and --overwrite contradict each other; pass one")
-    explicit = {k: v for k, v in vars(args).items() if k not in ("config", "resume", "overwrite")}
+    explicit = {
+        k: v for k, v in vars(args).items() if k not in ("config", "resume", "overwrite", "store")
+    }
     values: dict = {}
     if getattr(args, "config", None):
         values.update(load_yaml_config(args.config))
@@ -292,6 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     try:
         cfg, resume, overwrite = resolve_config(args)
+        if getattr(args, "store", None) and cfg.dataset != "gallery":
+            raise SNCAError("--store applies to --dataset gallery only")
+        if cfg.dataset == "gallery":
+            from .gallery_source import materialize
+
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                raise SNCAError(
+                    "--dataset gallery runs in one process: export the gallery (snca-gallery "
+                    "export OUT) and train on OUT/images with --dataset imagefolder"
+                )
+            materialize(cfg, getattr(args, "store", None), resume, "embedding_dim" in vars(args))
         from embedding.device import resolve_device
 
         from .trainer import train

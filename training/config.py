@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from embedding.config import ARCHS, known_arch, strict_from_dict
-from embedding.datasets import DATASETS
+from embedding.datasets import DATASETS, FOLDER_DATASETS
 from embedding.device import DEVICES
 from embedding.errors import SNCAError
 from embedding.outliers import FAMILIES as OUTLIER_FAMILIES
@@ -138,7 +138,7 @@ class TrainConfig:
                 f"outlier_families: unknown {', '.join(bad) or '(none given)'} (choose from "
                 f"{', '.join(OUTLIER_FAMILIES)})"
             )
-        if self.dataset != "imagefolder" and (self.image_size or self.in_channels):
+        if self.dataset not in FOLDER_DATASETS and (self.image_size or self.in_channels):
             p.append("--image-size/--in-channels apply to --dataset imagefolder only")
         if p:
             raise SNCAError("invalid training config: " + "; ".join(p))

@@ -6,6 +6,7 @@ both keep a memory bank (eq. 11), which the softmax run uses only for kNN evalua
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import platform
@@ -346,6 +347,16 @@ class Trainer:
         self.data = data = build_data(cfg, dist)
         if loaded is not None:
             data.model_cfg = loaded.model_config(data.model_cfg)
+        n = len(data.train)
+        if (
+            cfg.batch_size == TrainConfig.batch_size
+            and 1 < n < cfg.batch_size
+            and dist.world_size == 1
+        ):
+            # the default batch on a few labelled photos (a gallery of 5 a label): one batch of
+            # them all, rather than an error; an explicit --batch-size is kept (and checked)
+            print(f"--batch-size {n}: the default {cfg.batch_size} exceeds the {n} training images")
+            self.cfg = cfg = dataclasses.replace(cfg, batch_size=n)
         try:
             self.sampler = GlobalBatchSampler(
                 len(data.train), cfg.batch_size, dist.rank, dist.world_size, cfg.seed

@@ -47,21 +47,53 @@ def seed_of(kind: str) -> int:
     return int(given) if given else int.from_bytes(os.urandom(4), "big")
 
 
+@pytest.fixture(scope="module")
+def untrained_models(base_run, new_model, tmp_path_factory):
+    """Two models served with nothing trained (`snca-train --init RUN --epochs 0`, an index of
+    no vectors: issue 41's start from pretrained weights), of different weights: their
+    galleries hold added items only, their world check is fitted on them, and an upgrade
+    carries between two stores seeded from empty indexes."""
+    from index_builder.build import BuildConfig, build
+    from training.cli import main as train
+
+    out = {}
+    for name, src in (("a", base_run), ("b", new_model)):
+        run = tmp_path_factory.mktemp("untrained") / name
+        assert train(["--init", str(src), "--epochs", "0", "--out", str(run), "--no-progress"]) == 0
+        build(BuildConfig(run_dir=run, out=run / "index", progress=False), log=lambda m: None)
+        out[name] = run
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_no_acknowledged_write_is_lost_under_random_faults(
     kind, request, base_run, new_model, tmp_path, fmnist_train
 ):
-    seed = seed_of(kind)
-    print(f"\nhistory[{kind}]: seed {seed} (SNCA_HISTORY_SEED={seed} replays its schedule)")
     pg = request.getfixturevalue("postgres") if kind == "postgresql" else None
+    _history(kind, {"a": base_run, "b": new_model}, pg, tmp_path, fmnist_train, trained=True)
+
+
+@pytest.mark.slow
+def test_no_acknowledged_write_is_lost_with_nothing_trained(
+    untrained_models, tmp_path, fmnist_train
+):
+    """The same checker on two models served with nothing trained (SQLite: the store code
+    is the backends' shared one; what differs here is the seed and the world check)."""
+    _history("sqlite", untrained_models, None, tmp_path, fmnist_train, trained=False)
+
+
+def _history(kind: str, models: dict, pg, tmp_path, fmnist_train, trained: bool) -> None:
+    seed = seed_of(kind)
+    label = kind if trained else f"{kind}, nothing trained"
+    print(f"\nhistory[{label}]: seed {seed} (SNCA_HISTORY_SEED={seed} replays its schedule)")
     backend = Backend(kind, tmp_path, pg)
     rng = random.Random(seed)
-    cluster = Cluster(backend, {"a": base_run, "b": new_model}, tmp_path, rng)
+    cluster = Cluster(backend, models, tmp_path, rng)
     journal = Journal()
     nemesis = Nemesis(cluster, journal, fmnist_train, rng.randrange(2**32), pg)
     clients = [
-        Client(k, cluster, journal, fmnist_train, rng.randrange(2**32), trained=k == 0)
+        Client(k, cluster, journal, fmnist_train, rng.randrange(2**32), trained=trained and k == 0)
         for k in range(CLIENTS)
     ]
     t = {"start": time.monotonic()}
@@ -102,7 +134,7 @@ def test_no_acknowledged_write_is_lost_under_random_faults(
             bad.append(f"after the faults: writable {g['writable']}, alias {g['alias_gen']}")
         phases = ", ".join(f"{k} at {v - t['start']:.0f} s" for k, v in t.items() if k != "start")
         print(
-            f"history[{kind}] seed {seed}: {describe(journal, nemesis)}; {len(live)} added "
+            f"history[{label}] seed {seed}: {describe(journal, nemesis)}; {len(live)} added "
             f"items live; {phases}, checked at {time.monotonic() - t['start']:.0f} s"
         )
         if bad:

@@ -7,9 +7,8 @@ it all. The web page's first screen on the empty gallery says to register a labe
 
 from __future__ import annotations
 
-import hashlib
 import json
-from pathlib import Path
+import re
 
 import httpx
 import numpy as np
@@ -145,36 +144,23 @@ def test_the_cli_says_what_epochs_0_needs(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-_TRAINED: dict[str, Path] = {}  # the export's images (digest) -> the run trained on them
+def test_the_cli_says_what_a_gallery_run_needs(tmp_path, capsys):
+    from training.cli import main
 
-
-def _retrained(lite0: Path, images: Path, out: Path) -> Path:
-    """snca-train on an exported gallery's images, from the served model. Both backends export
-    the same images (same crops, same ids, same bytes: the digest says so), so the run trained
-    on the first export serves the second test too: what differs by backend is the export and
-    the carry, not the training."""
-    h = hashlib.sha256()
-    for f in sorted(images.rglob("*")):
-        if f.is_file():
-            h.update(str(f.relative_to(images)).encode() + b"\0" + f.read_bytes())
-    key = h.hexdigest()
-    if key not in _TRAINED:
-        p = run_cli(
-            "training", "--dataset", "imagefolder", "--data-dir", images, "--init", lite0,
-            "--epochs", "1", "--batch-size", "8", "--val-size", "0", "--num-workers", "0",
-            "--out", out, "--no-progress",
-        )  # fmt: skip
-        assert p.returncode == 0, p.stderr
-        _TRAINED[key] = out
-    return _TRAINED[key]
+    assert main(["--dataset", "gallery", "--out", str(tmp_path / "r")]) == 2
+    assert "give that model's run dir as --init" in capsys.readouterr().err
+    assert main(["--store", "postgresql://x@127.0.0.1:1/db", "--out", str(tmp_path / "r")]) == 2
+    assert "--store applies to --dataset gallery only" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "r.gallery").exists()
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_retrained_on_what_users_labelled_and_carried_to_it(lite0, tmp_path, request, kind):
-    """Point 4: the gallery's labelled images (exported from the store, either backend) train
-    a new model from the served one; indexed without trained items, the new model's start on
-    the same store carries every live item to it (re-embedded from the stored images). An item
-    added without a stored image is counted at export and left behind by the carry."""
+    """Point 4: `snca-train --dataset gallery` reads the gallery's labelled images from the
+    store (either backend) and trains a new model from the served one, with a validation split
+    carved from them; indexed without trained items (the default for such a run), the new
+    model's start on the same store carries every live item to it (re-embedded from the stored
+    images). An item added without a stored image is counted and left behind."""
     pg = request.getfixturevalue("postgres") if kind == "postgresql" else None
     store = Backend(kind, tmp_path, pg)
     srv = store.start(lite0, model_process=False)
@@ -194,16 +180,38 @@ def test_retrained_on_what_users_labelled_and_carried_to_it(lite0, tmp_path, req
     finally:
         bare.kill()
 
-    out = tmp_path / "export"
-    p = store.tool(lite0, "export", out, "--no-progress")
-    assert "1 added items have no stored image" in p.stderr
-    assert json.loads((out / "export.json").read_text())["added_without_image"] == 1
-    ft = _retrained(lite0, out / "images", tmp_path / "ft")
+    # one command: the store read at one point in time, trained from the served model
+    ft = tmp_path / "ft"
+    where = ["--data-dir", str(tmp_path / "data")] + (["--store", store.url] if store.url else [])
+    p = run_cli(
+        "training",
+        "--dataset",
+        "gallery",
+        "--init",
+        lite0,
+        *where,
+        "--epochs",
+        "1",
+        "--num-workers",
+        "0",
+        "--out",
+        ft,
+        "--no-progress",
+    )  # fmt: skip  (the defaults otherwise: the validation split, the batch, on 15 photos)
+    assert p.returncode == 0, p.stderr
+    assert "1 added items have no stored image" in p.stderr  # counted, and left out
+    assert "15 stored images of 3 labels" in p.stdout and "left out" in p.stdout
+    assert "loaded embedding layer" in p.stdout  # training starts from the served model
+    split = re.search(r"on gallery: (\d+) train, (\d+) val images", p.stdout)
+    assert split and int(split[2]) > 0, p.stdout  # a validation split carved from the gallery
+    assert re.search(rf"--batch-size {split[1]}: the default \d+ exceeds", p.stdout)  # one batch
     card = json.loads((ft / "model.json").read_text())
     assert card["config"]["class_names"] == ["cat", "cup", "rocket"]
     assert card["config"]["arch"] == "timm:tf_efficientnet_lite0"
+    assert card["config"]["embedding_dim"] == 1280
+    assert store.url is None or store.url.split("@")[0] not in (ft / "config.json").read_text()
     ix = tmp_path / "ft-index"
-    q = run_cli("index_builder", ft, "--out", ix, "--no-trained-items", "--no-progress")
+    q = run_cli("index_builder", ft, "--out", ix, "--no-progress")  # none: the gallery's own
     assert q.returncode == 0, q.stderr
     assert "0 vectors" in q.stdout and "not indexed" in q.stdout
 

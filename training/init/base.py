@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from embedding.config import INTERPOLATIONS, ModelConfig
+from embedding.datasets import FOLDER_DATASETS
 from embedding.errors import SNCAError
 from embedding.model import EmbeddingNet
 
@@ -37,7 +38,7 @@ class Loaded:
         pre, changes = self.preprocessing or {}, {}
         if self.arch:
             changes["arch"] = self.arch
-        if cfg.dataset == "imagefolder":
+        if cfg.dataset in FOLDER_DATASETS:
             for key in ("image_size", "in_channels"):
                 if getattr(cfg, key) is None and key in pre:
                     changes[key] = pre[key]
