@@ -127,6 +127,11 @@ def test_torchvision_weights_by_name_come_from_the_hub_cache_offline(tmp_path, m
     with torch.no_grad():
         assert (model.eval().features(X) - pooled(tv, X)).abs().max().item() < 1e-5
     assert record["kind"] == "torchvision" and record["source"] == "torchvision:resnet18"
+    # the weights name their architecture: a run with --init torchvision:resnet18 needs no --arch
+    from training.config import TrainConfig
+    from training.init import resolve
+
+    assert resolve("torchvision:resnet18").train_config(TrainConfig()).arch == "resnet18"
     with pytest.raises(SNCAError, match="no model"):
         initialise(model, "torchvision:nonet")
     with pytest.raises(SNCAError, match="has no weights"):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from embedding.config import ARCHS
 from embedding.errors import SNCAError
 
 from .base import Loaded
@@ -43,4 +44,6 @@ class TorchvisionWeights:
         loaded.spec = spec
         tf = weights.transforms()  # ImageClassification: the weights' own mean/std
         loaded.preprocessing = {"mean": list(tf.mean), "std": list(tf.std)}
+        if name in ARCHS:  # the weights need their architecture: --arch need not repeat it
+            loaded.arch = name
         return loaded
