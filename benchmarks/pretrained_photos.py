@@ -183,6 +183,11 @@ def main() -> int:
     ap.add_argument("--held-out", type=int, default=20, help="crops per object to classify")
     ap.add_argument("--json", type=Path)
     ap.add_argument(
+        "--ks",
+        default="1,3,5",
+        help="K registered crops an object, one gallery each (comma-separated; empty: none)",
+    )
+    ap.add_argument(
         "--retrain",
         action="append",
         default=[],
@@ -192,7 +197,7 @@ def main() -> int:
     )
     a = ap.parse_args()
     out, retrained = [], []
-    for k in (1, 3, 5):
+    for k in [int(x) for x in a.ks.split(",") if x]:
         r = measure(a.run, k, a.held_out)
         out.append(r)
         _report(r)

@@ -269,6 +269,17 @@ def fit(
     return w
 
 
+def estimable(n_fit: int, dim: int) -> bool:
+    """Can a Gaussian over `dim` statistics be fitted on `n_fit` images? Its covariance has rank
+    under n_fit: with fewer images than dimensions most directions are the shrink floor alone,
+    and their whitened scale says nothing (a run of 16 photos once put 81 % of other crops of its
+    own objects outside its world). Such a run has no training world; the service fits the check
+    on its gallery's images (fit_gallery), as it does with nothing trained."""
+    return n_fit >= dim
+
+
+TOO_FEW = "too few training images for a world Gaussian: the service fits it on the gallery"
+
 GALLERY_PRIOR = 10.0  # pseudo-images of the isotropic prior in fit_gallery's variances
 
 

@@ -140,33 +140,39 @@ def recompute_embeddings(cfg: BuildConfig, model, dataset_indices: np.ndarray, l
     return emb.cpu().numpy().astype(np.float32)
 
 
-def world_statistics(cfg: BuildConfig, model, vec: Vectors, log):
+def world_statistics(cfg: BuildConfig, model, vec: Vectors, log) -> tuple:
     """The world check's Gaussian (embedding/world.py) for the index dir: the run dir's own
     (written by snca-train since issue 28: calibrated on validation images), else fitted here
     on the run's training images (80% fit, 20% calibration: images the model was trained on, so
     the thresholds accept somewhat fewer held-out images than asked; docs/RESULTS.md). None
-    when the training images cannot be read (the service then serves without the world check)."""
+    when the training images cannot be read (the service then serves without the world check).
+    Returns (the fit or None, where it came from: the manifest's build.world): "run dir",
+    "fitted at build", "gallery" (none: nothing trained here, or too few images to fit one on;
+    the service fits the check on the gallery's own images), "unavailable"."""
     from embedding import world
     from embedding.device import resolve_device
 
     run = RunDir(cfg.run_dir)
     if run.world.is_file():
-        return world.load(run.world, model.fingerprint)
+        return world.load(run.world, model.fingerprint), "run dir"
     if len(vec.dataset_indices) == 0:
-        log(
-            "world statistics: none (nothing trained): the service's label check alone says what is unknown"
-        )
-        return None
+        log("world statistics: none (nothing trained here): the service fits them on the gallery")
+        return None, "gallery"
     try:
         raw = _train_raw(cfg, log)
         _check_indices(raw, vec.dataset_indices)
     except SNCAError as e:
         log(f"world statistics: not computed ({e}); the service will serve without them")
-        return None
+        return None, "unavailable"
     rng = np.random.default_rng(cfg.seed)
     order = rng.permutation(len(vec.dataset_indices))
     cut = int(0.8 * len(order))
     fit_rows, cal_rows = order[:cut][:20000], order[cut:][:5000]
+    dim = world.stats_dim(model)
+    if not world.estimable(len(fit_rows), dim):
+        log(f"world statistics: not fitted ({len(fit_rows)} images for {dim} statistics: "
+            f"{world.TOO_FEW})")  # fmt: skip
+        return None, "gallery"
     log(
         f"world statistics (the run dir has none: trained before them): fitting on "
         f"{len(fit_rows)} training images, calibrating on {len(cal_rows)}"
@@ -174,7 +180,7 @@ def world_statistics(cfg: BuildConfig, model, vec: Vectors, log):
     device = resolve_device("cpu" if cfg.device == "cpu" else "auto")
     total = len(fit_rows) + len(cal_rows)
     with Progress(total, "world statistics", "img", enabled=cfg.progress) as bar:
-        return world.fit_from_images(
+        fit = world.fit_from_images(
             model.to(device),
             raw.source,
             vec.dataset_indices[fit_rows],
@@ -185,6 +191,7 @@ def world_statistics(cfg: BuildConfig, model, vec: Vectors, log):
             progress=bar,
             seed=cfg.seed,
         )
+    return fit, "fitted at build"
 
 
 def make_thumbnails(cfg: BuildConfig, dataset_indices: np.ndarray, log) -> list:
@@ -559,7 +566,7 @@ def build(cfg: BuildConfig, log=_say) -> IndexManifest:
     if (said := collapse.warning(spread, "the index's vectors")) is not None:
         log("warning: " + said)
     t_world = time.perf_counter()
-    world_fit = world_statistics(cfg, model, vec, log)
+    world_fit, world_basis = world_statistics(cfg, model, vec, log)
     t_world = time.perf_counter() - t_world
     n = len(vec.embeddings)
     ids = np.arange(n, dtype=np.int64)  # id = memory-bank row; the service allocates above
@@ -624,13 +631,7 @@ def build(cfg: BuildConfig, log=_say) -> IndexManifest:
             build={
                 **info,
                 "seconds": time.perf_counter() - t_start,
-                "world": (
-                    "unavailable"
-                    if world_fit is None
-                    else "run dir"
-                    if RunDir(cfg.run_dir).world.is_file()
-                    else "fitted at build"
-                ),
+                "world": world_basis,
                 "world_seconds": round(t_world, 2),
                 "pair_similarity": None if spread is None else round(spread, 4),
                 "trained_items": cfg.trained_items,

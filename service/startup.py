@@ -103,10 +103,12 @@ def load_world(settings: Settings, ix: IndexDir, fingerprint: str) -> WorldFit |
     if settings.world_tpr <= 0:
         return None
     if not path.is_file():
-        if ix.manifest.count == 0 and not ix.manifest.class_names:  # snca-train --epochs 0
+        built = ix.manifest.build or {}
+        nothing_trained = ix.manifest.count == 0 and not ix.manifest.class_names  # --epochs 0
+        if nothing_trained or built.get("world") == "gallery":  # or too few images to fit on
             log.info(
-                "no training world (nothing trained): the world check is fitted on the "
-                "registered images themselves (from the second one on)"
+                "no training world (nothing trained, or too few images to fit one on): the "
+                "world check is fitted on the registered images themselves (from the second on)"
             )
             return unfitted()
         log.warning(
