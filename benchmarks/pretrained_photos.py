@@ -106,7 +106,8 @@ def fashion_images(n: int = 200) -> list[bytes]:
 
 def _in_world(a: dict) -> bool:
     """The world check's verdict on an answer (no check counts as in)."""
-    return a["world_score"] is None or a["world_score"] <= a["world_threshold"]
+    t = a["world_threshold"]
+    return a["world_score"] is None or t is None or a["world_score"] <= t
 
 
 def _margin(name: str, a: dict) -> float:

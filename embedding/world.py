@@ -30,6 +30,7 @@ activations on whatever it was trained on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -218,12 +219,19 @@ class WorldFit:
         larger the farther from it (higher = less of this world)."""
         return (np.asarray(z, dtype=np.float64) ** 2).sum(axis=1) / self.rank
 
-    def threshold(self, tpr: float) -> float:
-        """The score under which a share `tpr` of held-out known images falls."""
+    def threshold(self, tpr: float) -> float | None:
+        """The score under which a share `tpr` of held-out known images falls; None when the
+        held-out images are too few to place it: m of them bound the rate at m / (m + 1) (the
+        conformal rank ceil((m + 1) tpr) is past the last), so 0.99 needs 99 (a run of a few
+        photos calibrates on a fifth of them: its threshold would be their largest score)."""
+        m = len(self.calibration)
+        if m == 0 or math.ceil((m + 1) * tpr - 1e-9) > m:
+            return None
         return float(np.quantile(self.calibration, tpr))
 
     def accepts(self, z: np.ndarray, tpr: float) -> np.ndarray:
-        return self.score(z) <= self.threshold(tpr)
+        t = self.threshold(tpr)
+        return np.ones(len(z), bool) if t is None else self.score(z) <= t
 
     def distances(self, za: np.ndarray, zb: np.ndarray) -> np.ndarray:
         """(A, r), (B, r) -> (A, B) squared distances per dimension (the score's units)."""
@@ -251,17 +259,28 @@ def fit(
     seed: int = 0,
 ) -> WorldFit:
     """The Gaussian of `fit_stats` (N, D), the held-out scores of `calibration_stats`, and
-    (with `calibration_labels`) the few-shot radius of a label's own world.
+    (with `calibration_labels`) the few-shot radius of a label's own world. Under D images
+    (estimable): a diagonal one, each variance shrunk towards their mean (_shrunk_variances).
     `shrink` (relative to the mean eigenvalue) keeps near-empty directions from dominating."""
     s = fit_stats.double().numpy()
     mean = s.mean(axis=0)
+    if not estimable(len(s), s.shape[1]):  # a few photos: per-dimension variances only
+        var = _shrunk_variances(s, GALLERY_PRIOR)
+        w = WorldFit(mean, 1.0 / np.sqrt(var), np.zeros(0), len(s))
+        return _calibrated(w, calibration_stats, calibration_labels, seed)
     cov = np.cov(s - mean, rowvar=False)
     vals, vecs = np.linalg.eigh(cov)  # ascending
     order = np.argsort(vals)[::-1][: min(rank, len(vals))]
     vals, vecs = vals[order], vecs[:, order]
     floor = shrink * max(float(vals.mean()), 1e-12)
     whiten = vecs / np.sqrt(vals + floor)
-    w = WorldFit(mean, whiten, np.zeros(0), len(s))
+    return _calibrated(WorldFit(mean, whiten, np.zeros(0), len(s)), calibration_stats,
+                       calibration_labels, seed)  # fmt: skip
+
+
+def _calibrated(w: WorldFit, calibration_stats, calibration_labels, seed: int) -> WorldFit:
+    """`w` with the held-out scores of `calibration_stats` and, with their labels, the few-shot
+    radius of a label's own world."""
     zc = w.z(calibration_stats)
     w.calibration = np.sort(w.score(zc))
     if calibration_labels is not None:
@@ -269,16 +288,21 @@ def fit(
     return w
 
 
+def _shrunk_variances(s: np.ndarray, prior: float) -> np.ndarray:
+    """(n, D) -> (D,) each dimension's variance shrunk towards their mean by `prior`
+    pseudo-images: (n var_j + prior mean(var)) / (n + prior); nearly isotropic from a few
+    images, per dimension from many."""
+    var = s.var(axis=0)
+    return (len(s) * var + prior * float(var.mean())) / (len(s) + prior)
+
+
 def estimable(n_fit: int, dim: int) -> bool:
-    """Can a Gaussian over `dim` statistics be fitted on `n_fit` images? Its covariance has rank
+    """Can a full covariance over `dim` statistics be estimated from `n_fit` images? Its rank is
     under n_fit: with fewer images than dimensions most directions are the shrink floor alone,
-    and their whitened scale says nothing (a run of 16 photos once put 81 % of other crops of its
-    own objects outside its world). Such a run has no training world; the service fits the check
-    on its gallery's images (fit_gallery), as it does with nothing trained."""
+    and their whitened scale says nothing (a full fit on 16 photos put 81 % of other crops of
+    its own objects outside its world). `fit` then fits a diagonal Gaussian instead."""
     return n_fit >= dim
 
-
-TOO_FEW = "too few training images for a world Gaussian: the service fits it on the gallery"
 
 GALLERY_PRIOR = 10.0  # pseudo-images of the isotropic prior in fit_gallery's variances
 
@@ -306,13 +330,10 @@ def fit_gallery(
     s = np.asarray(stats, dtype=np.float64)
     if len(s) < 2:
         return None
-    mean = s.mean(axis=0)
-    var = s.var(axis=0)
-    iso = float(var.mean())
-    if not iso > 0:
+    if not float(s.var(axis=0).mean()) > 0:
         return None
-    var = (len(s) * var + prior * iso) / (len(s) + prior)
-    w = WorldFit(mean, 1.0 / np.sqrt(var), np.zeros(0), len(s), source="gallery")
+    var = _shrunk_variances(s, prior)
+    w = WorldFit(s.mean(axis=0), 1.0 / np.sqrt(var), np.zeros(0), len(s), source="gallery")
     w.same_radius, w.spread = _few_shot_radius(w, w.z(s), np.asarray(labels), seed)
     return w
 

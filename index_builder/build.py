@@ -147,8 +147,8 @@ def world_statistics(cfg: BuildConfig, model, vec: Vectors, log) -> tuple:
     the thresholds accept somewhat fewer held-out images than asked; docs/RESULTS.md). None
     when the training images cannot be read (the service then serves without the world check).
     Returns (the fit or None, where it came from: the manifest's build.world): "run dir",
-    "fitted at build", "gallery" (none: nothing trained here, or too few images to fit one on;
-    the service fits the check on the gallery's own images), "unavailable"."""
+    "fitted at build", "gallery" (none: nothing indexed from training; the service fits the
+    check on the gallery's own images), "unavailable"."""
     from embedding import world
     from embedding.device import resolve_device
 
@@ -169,13 +169,14 @@ def world_statistics(cfg: BuildConfig, model, vec: Vectors, log) -> tuple:
     cut = int(0.8 * len(order))
     fit_rows, cal_rows = order[:cut][:20000], order[cut:][:5000]
     dim = world.stats_dim(model)
-    if not world.estimable(len(fit_rows), dim):
-        log(f"world statistics: not fitted ({len(fit_rows)} images for {dim} statistics: "
-            f"{world.TOO_FEW})")  # fmt: skip
-        return None, "gallery"
+    diag = (
+        ""
+        if world.estimable(len(fit_rows), dim)
+        else f" (diagonal: fewer than its {dim} statistics)"
+    )
     log(
         f"world statistics (the run dir has none: trained before them): fitting on "
-        f"{len(fit_rows)} training images, calibrating on {len(cal_rows)}"
+        f"{len(fit_rows)} training images{diag}, calibrating on {len(cal_rows)}"
     )
     device = resolve_device("cpu" if cfg.device == "cpu" else "auto")
     total = len(fit_rows) + len(cal_rows)

@@ -105,10 +105,10 @@ def load_world(settings: Settings, ix: IndexDir, fingerprint: str) -> WorldFit |
     if not path.is_file():
         built = ix.manifest.build or {}
         nothing_trained = ix.manifest.count == 0 and not ix.manifest.class_names  # --epochs 0
-        if nothing_trained or built.get("world") == "gallery":  # or too few images to fit on
+        if nothing_trained or built.get("world") == "gallery":  # nothing indexed from training
             log.info(
-                "no training world (nothing trained, or too few images to fit one on): the "
-                "world check is fitted on the registered images themselves (from the second on)"
+                "no training world (nothing trained): the world check is fitted on the "
+                "registered images themselves (from the second one on)"
             )
             return unfitted()
         log.warning(

@@ -594,8 +594,7 @@ class Trainer:
         from embedding import world
 
         w = fit_run_world(net, self.data, self.cfg.seed, self.device, self.log)
-        if w is not None:  # (None: too few images; the service fits it on the gallery)
-            world.save(w, out, fp)
+        world.save(w, out, fp)
 
     def export(self, wall: float) -> dict:
         """Rank 0 at the end: final validation under both protocols, the model, the memory

@@ -25,10 +25,7 @@ from embedding.rundir import RunDir
 from .datasets import Data
 
 
-def fit_run_world(
-    net, data: Data, seed: int, device: torch.device, log=print
-) -> world.WorldFit | None:
-    """None: too few training images to fit the Gaussian on (embedding.world.estimable)."""
+def fit_run_world(net, data: Data, seed: int, device: torch.device, log=print) -> world.WorldFit:
     rng = np.random.default_rng(seed)
     train = data.train
     fit_pos = train.positions[rng.permutation(len(train))[:20000]]
@@ -42,11 +39,12 @@ def fit_run_world(
         held = rest[cut:][:5000]
         cal_pos, cal_y = train.positions[held], train.labels[held]
     dim = world.stats_dim(net)
-    if not world.estimable(len(fit_pos), dim):
-        log(f"world statistics: not fitted ({len(fit_pos)} images for {dim} statistics: "
-            f"{world.TOO_FEW})")  # fmt: skip
-        return None
-    log(f"world statistics: fitting on {len(fit_pos)} images, calibrating on {len(cal_pos)}")
+    diag = (
+        ""
+        if world.estimable(len(fit_pos), dim)
+        else f" (diagonal: fewer than its {dim} statistics)"
+    )
+    log(f"world statistics: fitting on {len(fit_pos)} images{diag}, calibrating on {len(cal_pos)}")
     return world.fit_from_images(
         net, train.raw.source, fit_pos, cal_pos, cal_y, device, 512, seed=seed
     )
@@ -65,14 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         model = rd.load_model()
         cfg = run_config(a.run)
         w = fit_run_world(model, build_data(cfg), cfg.seed, torch.device("cpu"))
-        if w is None:
-            return 0
         path = world.save(w, a.run, model.fingerprint)
     except (SNCAError, OSError) as e:
         print(f"world_fit: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {path}: threshold at 99% {w.threshold(0.99):.3f}, same_radius "
-          f"{w.same_radius:.3f}, spread {w.spread:.3f}")  # fmt: skip
+    t = w.threshold(0.99)
+    at = "none (too few held-out images)" if t is None else f"{t:.3f}"
+    print(f"wrote {path}: threshold at 99% {at}, same_radius {w.same_radius:.3f}, "
+          f"spread {w.spread:.3f}")  # fmt: skip
     return 0
 
 

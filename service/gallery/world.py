@@ -49,11 +49,9 @@ class Worlds:
         self.gallery_fitted = fit is not None and fit.source == "gallery"
         self.fit = fit if fit is not None and fit.fitted else None
         self.tpr = tpr
-        self.threshold = (
-            fit.threshold(tpr)
-            if self.fit is not None and len(fit.calibration) and tpr > 0
-            else None
-        )
+        # None also when too few held-out images place it (WorldFit.threshold): trained labels
+        # are then not refused by the training world, their score still reported
+        self.threshold = fit.threshold(tpr) if self.fit is not None and tpr > 0 else None
         self.sample_size = sample
         self.own: dict[int, LabelSample] = {}  # label id -> its added items' z (sampled)
         self.radius: dict[int, float] = {}
@@ -62,7 +60,7 @@ class Worlds:
 
     @property
     def enabled(self) -> bool:
-        return self.gallery_fitted or (self.fit is not None and self.threshold is not None)
+        return self.gallery_fitted or self.fit is not None
 
     def z(self, stats: np.ndarray | None) -> np.ndarray | None:
         """(B, D) statistics -> (B, r) whitened (None without a fit or statistics)."""
@@ -152,15 +150,15 @@ class Worlds:
         if z is None or self.fit is None:
             return [NO_CHECK] * len(label_ids)
         out = []
-        scores = self.fit.score(z) if self.threshold is not None else None
+        scores = self.fit.score(z) if len(self.fit.calibration) and self.tpr > 0 else None
         for b, c in enumerate(label_ids):
             own = self.own.get(c) if c >= 0 else None
             has_trained = c >= 0 and c < len(trained) and trained[c] > 0
             glob = None
             if has_trained and scores is not None:
-                glob = WorldVerdict(
-                    float(scores[b]), self.threshold, bool(scores[b] <= self.threshold), "training"
-                )
+                t = self.threshold
+                ok = t is None or bool(scores[b] <= t)
+                glob = WorldVerdict(float(scores[b]), t, ok, "training")
             if own is not None and len(own.ids):
                 d = float(self.fit.distances(z[b : b + 1], own.emb).min())
                 r = self.radius.get(c, self.fit.same_radius)

@@ -62,8 +62,9 @@ class ClassifyResult(BaseModel):
     world_threshold: float | None = Field(
         None,
         description="the distance over which the image is outside the world: for a trained "
-        "label, the quantile that accepts SNCA_WORLD_TPR of held-out known images; for a "
-        "registered label, a radius from its own images' spread",
+        "label, the quantile that accepts SNCA_WORLD_TPR of held-out known images (null, and "
+        "nothing refused, when the run had too few held-out images to place it: 99 at 0.99); "
+        "for a registered label, a radius from its own images' spread",
     )
     world_basis: Literal["training", "label"] | None = Field(
         None,

@@ -184,3 +184,27 @@ def test_a_world_fitted_on_the_registered_images_agrees_whatever_their_order():
     a.removed(0, 0)
     a.recalibrate([0])
     assert 0 not in a.own[0].ids and a.fit.fitted_on == 20
+
+
+def test_fewer_images_than_statistics_fit_a_diagonal_world_that_saves_and_loads(tmp_path):
+    """A run of a few photos has fewer images than world statistics: a full covariance is the
+    shrink floor in most directions (a 16-photo fit put 81 % of its objects' other crops
+    outside), so the fit is diagonal; it saves, loads and scores the same."""
+    import torch
+
+    from embedding import world
+
+    rng = np.random.default_rng(0)
+    s = torch.from_numpy(rng.normal(0, 1, (30, 50)) * rng.uniform(0.1, 3, 50))
+    w = world.fit(s[:20], s[20:], np.arange(10) % 2)
+    assert w.whiten.shape == (50,)  # diagonal
+    full = world.fit(torch.cat([s] * 3)[:60], s[20:])
+    assert full.whiten.ndim == 2
+    world.save(w, tmp_path, "fp")
+    back = world.load(tmp_path / world.WORLD_FILE, "fp")
+    q = rng.normal(0, 1, (4, 50))
+    assert np.allclose(back.score(back.z(q)), w.score(w.z(q)))
+    assert back.threshold(0.9) == w.threshold(0.9)
+    # 10 held-out images place a threshold at 0.9 (the 10th of 10) but none at 0.99: nothing
+    # is refused by it rather than everything over the largest of them
+    assert w.threshold(0.99) is None and w.accepts(w.z(q * 100), 0.99).all()
