@@ -345,7 +345,7 @@ class Nemesis(threading.Thread):
         self.pending: tuple[str, tuple] | None = None
         self.running: tuple[subprocess.Popen, str, tuple, float | None] | None = None
         self.counts: Counter = Counter()
-        self.backups: list[tuple[Path, float]] = []
+        self.backups: list[tuple[Path, float, float]] = []
         self.backup_running: tuple[Path, float] | None = None
         self.imports: list[tuple[str, int, str, str]] = []  # (label, images, outcome, folder)
         self.error: BaseException | None = None
@@ -425,7 +425,7 @@ class Nemesis(threading.Thread):
                 said = " | " + p.log_path.read_text().strip().splitlines()[-1][-300:]
         self.journal.event(f"snca-gallery {' '.join(args)}: {rc}{said}")
         if name == "backup" and rc == 0 and self.backup_running is not None:
-            self.backups.append(self.backup_running)
+            self.backups.append((*self.backup_running, time.monotonic()))  # (path, start, end)
         if name in ("upgrade", "rollback"):
             self.pending = None if rc == 0 else (model, args)
 
@@ -548,17 +548,19 @@ class Nemesis(threading.Thread):
         c.stopped.discard(pid)
 
 
-def backup_holds(path: Path, ops: list[Op], started: float) -> list[str]:
-    """Adds acknowledged before the backup started, and not deleted by then, that it lacks
-    (id, label). (A deleted item may have no row at all in the backup: the live gallery may
+def backup_holds(path: Path, ops: list[Op], started: float, ended: float) -> list[str]:
+    """Adds acknowledged before the backup started that it lacks (id, label), unless a delete
+    of them was sent before it ended: its read is at one point between the two, and a delete
+    committed before that point is rightly absent (a delete sent after the start once counted
+    as a loss). (A deleted item may have no row at all in the backup: the live gallery may
     have been carried from another after the delete, and a carry copies live items only.)"""
     conn = sqlite3.connect(f"file:{path / 'gallery.sqlite'}?mode=ro", uri=True)
     try:
         rows = dict(conn.execute("SELECT id, label FROM items WHERE source = 'added'").fetchall())
     finally:
         conn.close()
-    gone = {i for o in ops if o.kind == "delete" and o.sent < started for i in o.ids}
-    label_gone = [o for o in ops if o.kind == "delete_label" and o.sent < started]
+    gone = {i for o in ops if o.kind == "delete" and o.sent < ended for i in o.ids}
+    label_gone = [o for o in ops if o.kind == "delete_label" and o.sent < ended]
     bad = []
     for op in ops:
         if op.kind == "add" and op.outcome == "ok" and op.done < started:

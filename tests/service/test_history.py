@@ -124,9 +124,9 @@ def _history(kind: str, models: dict, pg, tmp_path, fmnist_train, trained: bool)
         t["settled"] = time.monotonic()
         live, trained, gen = read_live(cluster)
         bad = check(journal, live, trained, nemesis.imports)
-        for path, started in nemesis.backups:
+        for path, started, ended in nemesis.backups:
             backup.verify(path)
-            bad += backup_holds(path, journal.ops, started)
+            bad += backup_holds(path, journal.ops, started, ended)
         bad += replicas_agree(cluster, gen)
         bad += stores_intact(cluster, gen)
         g = cluster.galleries()
@@ -195,7 +195,7 @@ def resolve(journal: Journal, url: str, raw, nemesis: Nemesis, cluster: Cluster)
     """Every add whose answer was lost, or that a 503 said changed nothing, retried with its
     Idempotency-Key: its first outcome (a 503 that said "nothing was changed" for a write that
     was made is a finding), or made now. A killed import run again."""
-    with httpx.Client(base_url=url, timeout=30) as c:
+    with httpx.Client(timeout=30) as c:
         for op in journal.ops:
             if op.kind != "add" or op.outcome not in ("unknown", "failed"):
                 continue
@@ -207,7 +207,7 @@ def resolve(journal: Journal, url: str, raw, nemesis: Nemesis, cluster: Cluster)
             ]
             for _ in range(60):
                 r = c.post(
-                    "/gallery/add",
+                    url + "/gallery/add",
                     data={"label": op.label},
                     files=files,
                     headers={"Idempotency-Key": op.key},
@@ -215,6 +215,10 @@ def resolve(journal: Journal, url: str, raw, nemesis: Nemesis, cluster: Cluster)
                 if r.status_code != 503:
                     break
                 time.sleep(0.5)
+                # a server just resumed (SIGCONT) learns only now that its gallery was carried
+                # to the other model or is on standby (503, nothing changed, its /readyz 503
+                # from then on): write where the live gallery is, as its answer says to
+                url = live_server(cluster)
             assert r.status_code == 201, r.text
             replayed = r.headers.get("Idempotent-Replayed") == "true"
             if op.outcome == "failed" and replayed:
@@ -249,8 +253,8 @@ def replicas_agree(cluster: Cluster, gen: str) -> list[str]:
             if r.status_code == 200 and body["gallery_version"] >= head:
                 sums[url] = body["gallery_checksum"]
                 break
-            if body.get("status") == "standby":
-                break  # (a server of another model's gallery)
+            if body.get("status") == "standby" or "carried to" in body.get("store_error", ""):
+                break  # (a server of another model's gallery, or of one carried away from it)
             time.sleep(0.2)
     if not sums:
         return [f"no server of the live gallery reached its head {head}"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -45,6 +47,14 @@ def lite0(tmp_path_factory):
     assert q.returncode == 0, q.stderr
     assert "an empty gallery" in q.stdout and "0 vectors" in q.stdout
     return run
+
+
+def readme_line(tool: str) -> list[str]:
+    """The arguments of the README's `.venv/bin/TOOL ...` line (its photo section)."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith(f".venv/bin/{tool} ")]
+    assert len(lines) == 1, lines
+    return shlex.split(lines[0])[1:]
 
 
 def _ask(url: str, img) -> dict:
@@ -180,24 +190,18 @@ def test_retrained_on_what_users_labelled_and_carried_to_it(lite0, tmp_path, req
     finally:
         bare.kill()
 
-    # one command: the store read at one point in time, trained from the served model
+    # the README's lines as pasted (paths to this test's, PostgreSQL's --store, and the speed
+    # flags appended): the store read at one point in time, trained from the served model, with
+    # the defaults otherwise (the validation split, the batch, on 15 photos)
     ft = tmp_path / "ft"
-    where = ["--data-dir", str(tmp_path / "data")] + (["--store", store.url] if store.url else [])
-    p = run_cli(
-        "training",
-        "--dataset",
-        "gallery",
-        "--init",
-        lite0,
-        *where,
-        "--epochs",
-        "1",
-        "--num-workers",
-        "0",
-        "--out",
-        ft,
-        "--no-progress",
-    )  # fmt: skip  (the defaults otherwise: the validation split, the batch, on 15 photos)
+    paths = {"runs/photos-lite0": str(lite0), "data/photos-lite0": str(tmp_path / "data"),
+             "runs/photos-ft": str(ft)}  # fmt: skip
+    train, build = (
+        [paths.get(a, a) for a in readme_line(tool)] for tool in ("snca-train", "snca-build-index")
+    )
+    store_flags = ["--store", store.url] if store.url else []
+    fast = ["--epochs", "1", "--num-workers", "0", "--no-progress"]
+    p = run_cli("training", *train, *store_flags, *fast)
     assert p.returncode == 0, p.stderr
     assert "1 added items have no stored image" in p.stderr  # counted, and left out
     assert "15 stored images of 3 labels" in p.stdout and "left out" in p.stdout
@@ -213,12 +217,11 @@ def test_retrained_on_what_users_labelled_and_carried_to_it(lite0, tmp_path, req
     # 12 photos cannot estimate a covariance over 1,025 statistics: a diagonal Gaussian (a full
     # one on them put 81 % of other crops of their own objects outside their world)
     assert "(diagonal: fewer than its 1025 statistics)" in p.stdout
-    ix = tmp_path / "ft-index"
-    q = run_cli("index_builder", ft, "--out", ix, "--no-progress")  # none: the gallery's own
+    q = run_cli("index_builder", *build, "--no-progress")  # none: the gallery's own
     assert q.returncode == 0, q.stderr
     assert "0 vectors" in q.stdout and "not indexed" in q.stdout
 
-    new = store.start(ft, "--index", str(ix), model_process=False)  # carries the gallery
+    new = store.start(ft, model_process=False)  # carries the gallery (the README's serve line)
     try:
         ready = httpx.get(new.url + "/readyz").json()
         assert ready["model_fingerprint"] == card["fingerprint"]
