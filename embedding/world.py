@@ -293,7 +293,8 @@ def _shrunk_variances(s: np.ndarray, prior: float) -> np.ndarray:
     pseudo-images: (n var_j + prior mean(var)) / (n + prior); nearly isotropic from a few
     images, per dimension from many."""
     var = s.var(axis=0)
-    return (len(s) * var + prior * float(var.mean())) / (len(s) + prior)
+    shrunk = (len(s) * var + prior * float(var.mean())) / (len(s) + prior)
+    return np.maximum(shrunk, 1e-12)  # (identical images: no spread in any dimension)
 
 
 def estimable(n_fit: int, dim: int) -> bool:

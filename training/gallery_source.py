@@ -70,15 +70,12 @@ def materialize(
         if store:
             cmd += ["--store", store]
         log(f"snca-train: reading the gallery of {model} into {dest}", flush=True)
-        try:
-            p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        try:  # its summary is ours below; its progress, warnings and errors go to stderr
+            p = subprocess.run(cmd, stdout=subprocess.DEVNULL)
         except OSError as e:
             raise SNCAError(f"cannot run snca-gallery export: {e}") from None
-        if p.returncode != 0:  # its own error is on stderr, which the user saw
-            hint = ""
-            if "No module named" in (p.stdout or ""):
-                hint = " (the serve extra is needed: pip install 'snca[serve]')"
-            raise SNCAError(f"reading the gallery failed (snca-gallery export){hint}")
+        if p.returncode != 0:  # (a training-only install: its error names the missing module)
+            raise SNCAError("reading the gallery failed (snca-gallery export, above)")
         os.replace(tmp, dest)
     meta = json.loads(summary.read_text())
     images = dest / "images"

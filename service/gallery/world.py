@@ -56,7 +56,7 @@ class Worlds:
         self.own: dict[int, LabelSample] = {}  # label id -> its added items' z (sampled)
         self.radius: dict[int, float] = {}
         self.raw: dict[int, LabelSample] = {}  # gallery-fitted: the same samples' statistics
-        self._fitted_ids: tuple = ()
+        self._fitted_ids = b""  # the ids the fit was made on (bytes of their array)
 
     @property
     def enabled(self) -> bool:
@@ -126,19 +126,22 @@ class Worlds:
 
     def _refit(self) -> bool:
         """Fit the gallery's world anew when the FIT_SAMPLE lowest-priority sampled images
-        changed (whatever the order they came in: replicas agree); True when it moved."""
-        rows = [(p, i, c, k) for c, r in self.raw.items() for k, (i, p) in enumerate(zip(r.ids, r.prio, strict=True))]  # fmt: skip
-        rows.sort()
-        rows = rows[:FIT_SAMPLE]
-        ids = tuple(i for _, i, _, _ in rows)
-        if ids == self._fitted_ids:
+        changed (whatever the order they came in: replicas agree); True when it moved. Arrays,
+        not Python rows: it runs under the write lock on every write of a gallery-fitted world."""
+        groups = [(c, r) for c, r in self.raw.items() if len(r.ids)]
+        prio = np.concatenate([r.prio for _, r in groups]) if groups else np.zeros(0, np.uint64)
+        ids = np.concatenate([r.ids for _, r in groups]) if groups else np.zeros(0, np.int64)
+        pick = np.lexsort((ids, prio))[:FIT_SAMPLE]  # by priority, then id (ids are unique)
+        key = ids[pick].tobytes()
+        if key == self._fitted_ids:
             return False
-        self._fitted_ids = ids
-        if len(rows) < 2:
+        self._fitted_ids = key
+        if len(pick) < 2:
             self.fit = None
         else:
-            stats = np.stack([self.raw[c].emb[k] for _, _, c, k in rows])
-            self.fit = fit_gallery(stats, np.array([c for _, _, c, _ in rows]))
+            stats = np.concatenate([r.emb for _, r in groups])[pick]
+            labels = np.concatenate([np.full(len(r.ids), c) for c, r in groups])[pick]
+            self.fit = fit_gallery(stats, labels)
         if self.fit is None:
             self.own.clear()
             self.radius.clear()

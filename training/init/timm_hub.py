@@ -24,12 +24,13 @@ from .download import fetch, offline
 HF_FILES = ("model.safetensors", "pytorch_model.bin")  # what timm's Hugging Face repos hold
 
 
-def _timm():
+def _timm(spec: str = "timm:...", extra: str = "timm"):
+    """The timm module, or an error naming the --init source and the extra that installs it."""
     try:
         import timm
     except ImportError:
         raise SNCAError(
-            "--init timm:...: timm is not installed (pip install 'snca[timm]')"
+            f"--init {spec}: timm is not installed (pip install 'snca[{extra}]')"
         ) from None
     return timm
 
@@ -132,7 +133,7 @@ class TimmWeights:
 
     @staticmethod
     def load(spec: str) -> Loaded:
-        timm = _timm()
+        timm = _timm(spec)
         name, _, file = spec.removeprefix(TIMM_PREFIX).partition(":")
         try:
             bare = timm.create_model(name, pretrained=False, num_classes=0)
