@@ -140,7 +140,8 @@ class Cluster:
         return self.galleries()["alias_gen"]
 
     def galleries(self) -> dict:
-        """{alias_gen, writable: [gens not on standby], targets: {gen: store}} read directly."""
+        """{alias_gen, switched, writable: [gens not on standby], targets: {gen: store}} read
+        directly."""
         from service.store.galleries import alias, home_gen, registry
         from service.store.records import STANDBY
         from service.store.registry import backend_class
@@ -174,6 +175,7 @@ class Cluster:
             reg = registry(g.home)
             return {
                 "alias_gen": live,
+                "switched": bool(a and a.get("previous")),  # (what a rollback undoes)
                 "writable": writable,
                 "targets": {x: g.target_of(x) for x in gens},
                 "model_of": {x: reg.get(x, {}).get("model_dir") for x in gens},
@@ -441,7 +443,10 @@ class Nemesis(threading.Thread):
             self.launch(self.live_model(), (*args, *switch), 0.35)
         elif r < 0.75:
             g = c.galleries()
-            if len(g["targets"]) > 1:  # (a rollback needs a previous gallery)
+            # a rollback undoes a switch: a gallery built beside without one (an upgrade
+            # without --switch) is no previous gallery, and the rollback is refused (rightly;
+            # the rerun after the faults then failed too, seed 2824895427)
+            if g["switched"] and len(g["targets"]) > 1:
                 self.launch(self.live_model(), ("rollback", "--no-progress"), 0.3)
         elif r < 0.85:
             out = c.tmp / f"backup-{uuid.uuid4().hex[:8]}"
@@ -666,9 +671,12 @@ def summary(journal: Journal, nemesis: Nemesis) -> str:
     )
 
 
-def trace(cluster: Cluster, journal: Journal, ids: list[int], path: Path) -> None:
+def trace(
+    cluster: Cluster, journal: Journal, ids: list[int], path: Path, labels: set | None = None
+) -> None:
     """What a failure needs to be understood, written to `path` (JSON lines): the operations
-    on `ids`, the nemesis's events, every gallery's meta, log and rows of those ids, and the
+    on `ids` or of `labels` (an item nobody was told of has no operation naming its id), the
+    nemesis's events, every gallery's meta, log and rows of those ids, and the
     commands' output."""
     import json
 
@@ -681,7 +689,7 @@ def trace(cluster: Cluster, journal: Journal, ids: list[int], path: Path) -> Non
             f.write(json.dumps(kw, default=str) + "\n")
 
         for o in journal.ops:
-            if set(o.ids) & set(ids):
+            if set(o.ids) & set(ids) or o.label in (labels or ()):
                 put(op={**o.__dict__, "sent": o.sent - t0, "done": o.done - t0})
         for at, what in journal.events:
             put(event=what, at=at - t0)

@@ -140,8 +140,9 @@ def _history(kind: str, models: dict, pg, tmp_path, fmnist_train, trained: bool)
         if bad:
             import re
 
-            ids = sorted({int(m) for b in bad for m in re.findall(r"\b(\d{3,})\b", b)})
-            trace(cluster, journal, ids, tmp_path / "trace.jsonl")
+            ids = sorted({int(m) for b in bad for m in re.findall(r"\b(?:item|add|id) (\d+)", b)})
+            labels = {m for b in bad for m in re.findall(r"\(([\w-]+)\)", b)}
+            trace(cluster, journal, ids, tmp_path / "trace.jsonl", labels)
             print(f"the trace of the failure: {tmp_path / 'trace.jsonl'}")
         assert not bad, f"seed {seed} (SNCA_HISTORY_SEED={seed}): " + "; ".join(bad[:20])
         adds = sum(1 for o in journal.ops if o.kind == "add" and o.outcome == "ok")
