@@ -126,8 +126,11 @@ class Server:
 
     def run(self) -> None:
         while True:
-            if not self.pending and not self._read(None):
-                return
+            # until a whole job is here: a frame larger than one read (a 224 px photo's pixels,
+            # 150 KB) arrives in pieces, and a batch of none was a crash (ValueError in answer)
+            while not self.pending:
+                if not self._read(None):
+                    return
             # everything queued joins the batch; with SNCA_MAX_WAIT_MS also what comes soon
             deadline = time.perf_counter() + self.max_wait
             while len(self.pending) < self.max_batch:

@@ -106,3 +106,38 @@ def test_a_classification_comes_back_as_made_and_judged_as_in_one_process():
         for t in (0.5, 0.7)
     ]
     assert [a.unknown_reason for a in judged] == [None, "no_label_accepts"]
+
+
+def test_a_frame_that_arrives_in_pieces_waits_for_the_rest(monkeypatch):
+    """A job larger than one read (a 224 px photo's pixels, 150 KB) arrives in pieces: the job
+    loop waits for the whole frame. It ran a batch of none, whose answer crashed the model
+    process (ValueError), found by benchmarks/engine_ab.py's photo load (every request 503)."""
+    import socket
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from service import model_process
+
+    front, model = socket.socketpair()
+    settings = SimpleNamespace(max_batch=8, max_wait_ms=0.0)
+    embedder = SimpleNamespace(pixel_shape=(3, 224, 224))
+    state = SimpleNamespace(runtime=SimpleNamespace(embedder=embedder), settings=settings)
+    server = model_process.Server(state, model)
+    batches = []
+
+    def answer(batch):
+        batches.append(len(batch))
+        return b"x"
+
+    monkeypatch.setattr(server, "answer", answer)
+    loop = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+    whole = frame(EmbedJob(1, 0), bytes(3 * 224 * 224))
+    front.sendall(whole[:1000])  # the header and a little of the pixels
+    time.sleep(0.3)
+    front.sendall(whole[1000:])
+    assert front.recv(1) == b"x"
+    front.close()  # EOF: the loop returns
+    loop.join(timeout=5)
+    assert not loop.is_alive() and batches == [1]

@@ -1,0 +1,23 @@
+"""What an inference engine is to the model process: an exported model (export.py) loaded at a
+thread count, uint8 pixels in, the rows [vector | world statistics] out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import numpy as np
+
+
+class Engine(ABC):
+    name: str  # the SNCA_ENGINE value that picks it
+    package: str  # what pip installs for it (named in the fallback line when it is missing)
+
+    @abstractmethod
+    def __init__(self, onnx: Path, threads: int):
+        """Load the export at `onnx` to run on `threads` CPU threads (owned by the model
+        process: no other pool than this one)."""
+
+    @abstractmethod
+    def run(self, pixels: np.ndarray) -> np.ndarray:
+        """uint8 (B, C, H, W), C-contiguous -> float32 (B, d [+ D])."""
