@@ -87,14 +87,17 @@ def main() -> int:
                 "max_abs_best_similarity": worst(lambda c: c.best_similarity),
                 "max_abs_unknown_score": worst(lambda c: c.unknown_score),
                 "max_rel_world_score": max(
-                    (abs(x.world.score - y.world.score) / max(1.0, abs(x.world.score))
-                     for x, y in zip(ref, got, strict=True)
-                     if x.world.score is not None and y.world.score is not None),
+                    (
+                        abs(x.world.score - y.world.score) / max(1.0, abs(x.world.score))
+                        for x, y in zip(ref, got, strict=True)
+                        if x.world.score is not None and y.world.score is not None
+                    ),
                     default=0.0,
-                ),  # fmt: skip
+                ),
                 "world_verdicts_identical": sum(
                     x.world.ok == y.world.ok for x, y in zip(ref, got, strict=True)
-                ) / n,
+                )
+                / n,
             }
             results[engine] = row
             print(f"{engine}: {row}", flush=True)

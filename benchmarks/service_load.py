@@ -571,10 +571,12 @@ def serve(
     data_dir: Path,
     python_args=("-m", "service"),
     extra=(),
+    cwd: Path = ROOT,
+    env: dict | None = None,
 ) -> subprocess.Popen:
     """A server process (`python -m service` unless `python_args` says otherwise, with
     snca-serve's flags and `extra` ones) on loopback, once /readyz answers 200."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     p = subprocess.Popen(
         [
             sys.executable,
@@ -594,7 +596,7 @@ def serve(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
-        cwd=ROOT,
+        cwd=cwd,
     )
     import httpx
 

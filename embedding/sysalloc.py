@@ -34,6 +34,25 @@ def keep_freed_memory() -> bool:
     return bool(ok)
 
 
+def default_freed_memory() -> bool:
+    """Undo keep_freed_memory: glibc's own thresholds again (128 KiB, as its defaults start). For
+    a process whose large blocks come from an inference engine that sizes them per input shape
+    (OpenVINO, ONNX Runtime): kept, they fragmented the heap (a Lite0 model process 6.1 GB
+    after warming 64 batch sizes on OpenVINO, 1.7 GB with these; docs/PERFORMANCE.md)."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = mallopt(_M_MMAP_THRESHOLD, 128 << 10)
+    ok &= mallopt(_M_TRIM_THRESHOLD, 128 << 10)
+    ok &= mallopt(_M_TOP_PAD, 0)
+    return bool(ok)
+
+
 _libc = None
 
 

@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-wait-ms", type=float, help="micro-batcher: wait for more requests (0 ms)")
     p.add_argument(
+        "--engine",
+        choices=("auto", "torch", "onnxruntime", "openvino"),
+        help="what runs the model on a CPU (auto: the fastest installed engine that agrees with "
+        "torch, timed at start; torch: the traced torch module)",
+    )
+    p.add_argument(
         "--fused-batches",
         type=int,
         help="CPU: fused model copies for batch sizes up to this, kept where faster (8; 0 = none)",

@@ -100,6 +100,14 @@ class Settings(BaseSettings):
         description="micro-batcher: wait this long for more requests (0: none; batches still "
         "fill with the requests that arrive while the previous batch runs)",
     )
+    engine: Literal["auto", "torch", "onnxruntime", "openvino"] = Field(
+        "auto",
+        description="what runs the model on a CPU: onnxruntime or openvino on the model exported "
+        "to ONNX (cached in MODEL/engines), checked against torch at start; auto: every "
+        "installed one timed there, the fastest serves; torch: the traced torch module. An "
+        "engine that is not installed, cannot take the model or disagrees with torch leaves "
+        "torch serving, with a warning saying why",
+    )
     optimize: bool = Field(
         True,
         description="CPU: serve a traced, BatchNorm-folded oneDNN copy of the model (checked "

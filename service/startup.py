@@ -431,6 +431,7 @@ def finish_service(
                 "replayed_deletes": loaded.replayed_deletes,
                 "device": info.device,
                 "model_mode": info.mode,
+                "engine": info.engine,
                 "space": ix.manifest.space,
                 "world_check": g.worlds.enabled,
                 "warmup_s": round(info.warmup_s, 2),

@@ -205,6 +205,10 @@ class Embedder(Preprocessing):
         super().__init__(model.config, space_dim(model, space), world_dim)
         self.space = space
         self.device = device
+        self.net = model  # the EmbeddingNet itself
+        self.fingerprint = getattr(model, "fingerprint", None)  # (embedding.artifacts.load_model)
+        self.world = world
+        self.engine = None  # an engines.base.Engine serving uint8 batches instead of torch
         self.amp = amp
         # uint8 batch -> vectors, normalisation included (what embed() calls; see optimize())
         self.u8 = NormalizedInput(self.model, self.model.config)
@@ -218,6 +222,28 @@ class Embedder(Preprocessing):
         c, s = self.model.config.in_channels, self.model.config.image_size
         g = torch.Generator().manual_seed(seed)
         return torch.randint(0, 256, (b, c, s, s), dtype=torch.uint8, generator=g)
+
+    def use_engine(self, dirs: list, setting: str = "auto"):
+        """On CPU, serve through the inference engine `setting` picks (service/model/engines;
+        the export cached in the first writable of `dirs`); returns engines.Chosen, whose
+        `engine` is None where torch keeps serving (`note` says why)."""
+        from service.model.engines import Chosen, choose
+        from service.model.engines.export import wanted
+
+        if self.device.type != "cpu":
+            return Chosen(None, "torch", f"the model runs on {self.device} (engines: CPU only)")
+        fp = self.fingerprint
+        if fp is None:  # a model built in memory: its weights name it
+            from embedding.artifacts import model_fingerprint
+
+            fp = model_fingerprint(self.net.config, self.net.state_dict())
+        c = self.model.config
+        want = wanted(fp, self.space, self.world, (c.in_channels, c.image_size, c.image_size))
+        chosen = choose(setting, self.u8, self._example(4, 0), want, list(dirs))
+        self.engine = chosen.engine
+        if self.engine is not None:
+            self.mode = chosen.name
+        return chosen
 
     def optimize(self) -> str:
         """On CPU, swap in the traced oneDNN module (checked against eager; falls back to it).
@@ -276,6 +302,8 @@ class Embedder(Preprocessing):
         """`embed` as a CPU torch tensor (the service's vote takes it as it is)."""
         # uint8: normalised inside the module, once per batch (a fused copy for small sizes)
         if batch.dtype == torch.uint8:
+            if self.engine is not None:  # (the engine's call releases the GIL once)
+                return torch.from_numpy(self.engine.run(batch.numpy()))
             run = self.by_size.get(batch.shape[0], self.runner)
         else:  # already normalised floats
             run = self.model

@@ -10,6 +10,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ from anyio import to_thread
 from threadpoolctl import ThreadpoolController
 
 from embedding.device import resolve_device
-from embedding.sysalloc import release_free_memory
+from embedding.sysalloc import default_freed_memory, release_free_memory
 from embedding.thumbnails import make_thumbnail
 from service.config import Settings
 from service.gallery import Classification, Gallery
@@ -71,6 +72,8 @@ class ModelInfo:
     fused_sizes: list[int]  # batch sizes served by a fused copy
     warmup_s: float
     warmed_sizes: int  # batch sizes 1..this were run once at start (SNCA_WARMUP_SECONDS)
+    engine: str = "torch"  # what runs the forward (SNCA_ENGINE; service/model/engines)
+    engine_note: str = ""  # why that one: auto's timings, or why torch serves
 
 
 class Runtime(ABC):
@@ -265,35 +268,66 @@ class ModelRuntime(Runtime):
         cfg = e.model.config
         # start-up says what it is doing: a photo model takes tens of seconds here on a small CPU
         log.info("model: %s at %d px on %s: preparing", cfg.arch, cfg.image_size, e.device)
-        if s.optimize:
-            e.optimize()
-        e.warmup()
-        threads = s.torch_threads or self.auto_threads()
-        torch.set_num_threads(threads)
-        fused = e.fuse_small_batches(s.fused_batches, s.fused_memory_mb) if s.optimize else []
+        chosen = e.use_engine(self.engine_dirs(), s.engine)
+        if chosen.engine is None:  # the torch path: traced, fused copies
+            if s.engine != "torch" and e.device.type == "cpu":
+                log.warning("model: engine torch (%s)", chosen.note)  # the fallback, and why
+            if s.optimize:
+                e.optimize()
+            e.warmup()
+            threads = s.torch_threads or self.auto_threads()
+            torch.set_num_threads(threads)
+            fused = e.fuse_small_batches(s.fused_batches, s.fused_memory_mb) if s.optimize else []
+        else:  # an inference engine, timed on one thread by its choice
+            threads = s.torch_threads or self.threads_for(chosen.per_image_ms)
+            if chosen.engine.malloc_defaults:
+                default_freed_memory()
+            chosen.at_threads(threads)
+            e.engine = chosen.engine
+            fused = []
         if s.warmup_seconds > 0:
             log.info(
                 "model: warming up batch sizes 1..%d (at most %g s)", s.max_batch, s.warmup_seconds
             )
         warm, sizes = e.warmup_every_size(s.max_batch, s.warmup_seconds)
-        log.info("model: ready (%s, %d thread(s), %.1f s warming up)", e.mode, threads, warm)
-        return ModelInfo(str(e.device), e.mode, threads, fused, warm, sizes)
+        log.info(
+            "model: ready (engine %s: %s; %s, %d thread(s), %.1f s warming up)",
+            chosen.name,
+            chosen.note,
+            e.mode,
+            threads,
+            warm,
+        )
+        return ModelInfo(
+            str(e.device), e.mode, threads, fused, warm, sizes, chosen.name, chosen.note
+        )
+
+    def engine_dirs(self) -> list[Path]:
+        """Where the engine's export is cached: the run dir, else the data dir (read-only runs)."""
+        s = self.settings
+        return [Path(s.model) / "engines", *([Path(s.data_dir) / "engines"] if s.data_dir else [])]
 
     def auto_threads(self) -> int:
-        """Threads for the forward pass when SNCA_TORCH_THREADS is 0. The event loop needs
-        about half a millisecond of one core per request (HTTP, multipart, decoding). A light
-        model (conv4: ~0.2 ms per image) leaves the loop a core of its own, cores - 1; a heavy
-        one (ResNet: several ms per image) is the bottleneck, so it gets every core."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        cores = cores or 1
-        if cores == 1 or self.embedder.device.type != "cpu":
-            return max(1, cores - 1)
+        """Threads for the torch forward pass when SNCA_TORCH_THREADS is 0: `threads_for` the
+        time of one batch of 32 on one thread."""
+        if self.embedder.device.type != "cpu":
+            return max(1, _cores() - 1)
         c, size = self.embedder.model.config.in_channels, self.embedder.model.config.image_size
         x = torch.zeros(32, c, size, size, dtype=torch.uint8)
         t0 = time.perf_counter()
         self.embedder.embed(x)
-        per_image_ms = (time.perf_counter() - t0) / 32 * 1000
-        return cores if per_image_ms > HEAVY_MODEL_MS else cores - 1
+        return self.threads_for((time.perf_counter() - t0) / 32 * 1000)
+
+    @staticmethod
+    def threads_for(per_image_ms: float | None) -> int:
+        """The event loop needs about half a millisecond of one core per request (HTTP,
+        multipart, decoding). A light model (conv4: ~0.2 ms per image) leaves the loop a core of
+        its own, cores - 1; a heavy one (ResNet: several ms per image) is the bottleneck, so it
+        gets every core."""
+        cores = _cores()
+        if cores == 1:
+            return 1
+        return cores if (per_image_ms or 0) > HEAVY_MODEL_MS else cores - 1
 
     def wait_ready(self, progress=None, waiting=None) -> None:
         """(The model is ready once built; a model process says when it is: remote.py.)"""
@@ -424,6 +458,11 @@ class ModelRuntime(Runtime):
     async def embed(self, p: Prepared) -> np.ndarray:
         """The upload's row [vector | world statistics] (Embedder.split takes it apart)."""
         return await self.batcher.submit(Job("embed", p.pixels))
+
+
+def _cores() -> int:
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return n or 1
 
 
 def label_threshold(thresholds, label_id: int) -> float | None:

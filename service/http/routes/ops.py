@@ -64,6 +64,8 @@ async def readyz(request: Request):
         "data_dir": str(state.data.path),
         # dense: every row kept and voted over; candidates: past SNCA_EXACT_VOTE_MAX
         "vote_path": "dense" if state.gallery.rows.dense else "candidates",
+        # what runs the forward (SNCA_ENGINE) and why: auto's timings, or why torch serves
+        **_engine(state.runtime.info),
         # the world check (is this the kind of image a label holds): off for an index dir
         # built before it, or with SNCA_WORLD_TPR=0
         "world_check": state.gallery.worlds.enabled,
@@ -80,6 +82,12 @@ async def readyz(request: Request):
     return JSONResponse(
         body, status_code=code, headers={"Retry-After": "1"} if code != 200 else None
     )
+
+
+def _engine(info) -> dict:
+    if info is None:
+        return {}
+    return {"engine": info.engine, "engine_note": info.engine_note}
 
 
 @router.get(

@@ -147,7 +147,9 @@ def choose(
             x = example.numpy()
             timings[name] = (_time(eng, x[:1]) + _time(eng, x)) / 2 * 1000
         except Exception as e:
-            why_not.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            why_not.append(
+                f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            )
             continue
         if winner is None or timings[name] < timings[winner[0]]:
             winner = (name, eng)  # (a loser is dropped here: one engine's weights held)

@@ -5,7 +5,6 @@ leaves torch serving with a log line saying why, and the service answers the sam
 import json
 import logging
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ from service.model.runtime import ModelRuntime
 
 from ..conftest import of_class
 from ..helpers import img, make_client
+
 
 def _installed() -> list[str]:
     out = []
@@ -51,7 +51,7 @@ def _model(arch: str, size: int, channels: int, seed: int = 0) -> EmbeddingNet:
 
 def test_the_engines_the_service_ships_with_are_installed():
     """pyproject's serve extra installs both: auto has a choice to make."""
-    assert INSTALLED == list(engines.ENGINES)
+    assert list(engines.ENGINES) == INSTALLED
 
 
 @pytest.mark.parametrize(
