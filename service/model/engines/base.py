@@ -10,8 +10,7 @@ import numpy as np
 
 
 class Engine(ABC):
-    name: str  # the SNCA_ENGINE value that picks it
-    package: str  # what pip installs for it (named in the fallback line when it is missing)
+    name: str  # the SNCA_ENGINE value that picks it (and its pip package's name)
     # glibc's own malloc thresholds in this process (embedding.sysalloc.default_freed_memory):
     # for an engine that mallocs its buffers per input shape, which a heap that keeps freed
     # blocks (what torch's path wants) fragments into gigabytes

@@ -13,7 +13,6 @@ from service.model.engines.base import Engine
 
 class OpenVinoEngine(Engine):
     name = "openvino"
-    package = "openvino"
     malloc_defaults = True  # (base.py; measured: a Lite0 model process 6.1 -> 1.x GB)
 
     def __init__(self, onnx: Path, threads: int):

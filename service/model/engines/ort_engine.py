@@ -13,7 +13,6 @@ from service.model.engines.export import INPUT
 
 class OnnxRuntimeEngine(Engine):
     name = "onnxruntime"
-    package = "onnxruntime"
 
     def __init__(self, onnx: Path, threads: int):
         import onnxruntime as ort

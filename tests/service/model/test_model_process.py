@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from service.model.engines import ENGINES
 from tests.service.conftest import Server, of_class, png
 
 H = "X-Min-Gallery-Version"
@@ -293,9 +294,10 @@ def test_every_route_answers_as_in_one_process(base_run, tmp_path, fmnist_test, 
             model_process=name == "process",
         )
         try:
-            assert (readyz(s.url).json()["model_pid"] == readyz(s.url).json()["pid"]) == (
-                name == "thread"
-            )
+            ready = readyz(s.url).json()
+            assert (ready["model_pid"] == ready["pid"]) == (name == "thread")
+            # the engine as the process that runs the model chose it (the same on both)
+            assert ready["engine"] in ENGINES and ready["engine_note"], ready
             got[name] = _answers(s.url, images)
         finally:
             s.kill(signal.SIGTERM)
