@@ -1,8 +1,11 @@
-"""The candidate vote (the service's path past exact_vote_max) against the exact dense vote on
-a default-sized gallery: 55,000 real Fashion-MNIST training images embedded by a trained model,
-5,000 test images as queries, the service's default K' (issue 20's parity targets)."""
+"""The service's fast votes against the exact step-by-step vote on a default-sized gallery:
+55,000 real Fashion-MNIST training images embedded by a trained model, 5,000 test images as
+queries. The candidate vote (the path past exact_vote_max) at the default K' (issue 20's parity
+targets); the compiled dense vote (service.gallery.compiled: grouped rows, one in-place kernel
+pass) to within float rounding."""
 
 import numpy as np
+import pytest
 
 from benchmarks.gallery_scale import RULES, embed, fewshot_hm, make_gallery, predict
 from embedding.datasets import load_raw
@@ -10,7 +13,9 @@ from embedding.rundir import RunDir
 from service.gallery.gallery import CANDIDATES
 
 
-def test_candidate_vote_keeps_the_exact_votes_labels_on_the_default_gallery(short_run):
+@pytest.fixture(scope="module")
+def default_gallery(short_run):
+    """(emb, y, names, q, qy): the 55,000 training images and 5,000 test queries, embedded."""
     model = RunDir(short_run[0]).load_model()
     names = model.config.class_names
     train, test = load_raw("fashion-mnist", "train"), load_raw("fashion-mnist", "test")
@@ -20,6 +25,39 @@ def test_candidate_vote_keeps_the_exact_votes_labels_on_the_default_gallery(shor
     # each query's label under the two votes, so half the queries halve the time, not the check)
     q = embed(model, test.source.images[:5000])
     qy = np.asarray(test.targets[:5000], dtype=np.int64)
+    return emb, y, names, q, qy
+
+
+def test_compiled_dense_vote_is_the_step_by_step_vote_on_the_default_gallery(default_gallery):
+    """Every answer field the compiled call makes (label, top-5 probabilities, best similarity,
+    open-set score) against the rule run step by step (neighbours asked force that path), for
+    both fused rules, with all rows live and after deletes (deleted rows left in the matrix)."""
+    emb, y, names, q, _ = default_gallery
+    g = make_gallery(emb, y, names, exact_max=10**12)
+    q = q[:1000]
+
+    def check(vote):
+        for s in range(0, len(q), 64):
+            fast = g.classify(q[s : s + 64], vote, 30)
+            slow = g.classify(q[s : s + 64], vote, 30, neighbors=True)
+            for f, w in zip(fast, slow, strict=True):
+                assert f.label == w.label, vote
+                assert f.best_similarity == pytest.approx(w.best_similarity, abs=1e-5)
+                assert f.unknown_score == pytest.approx(w.unknown_score, abs=1e-5)
+                pf, pw = dict(f.probabilities), dict(w.probabilities)
+                assert pf.keys() == pw.keys(), vote
+                assert all(abs(pf[k] - pw[k]) <= 1e-5 for k in pf), vote
+
+    for vote in ("kde", "kde_shrunk"):
+        check(vote)
+    gone = [(int(i), names[y[i]], emb[i], "trained") for i in range(0, 55_000, 7)]
+    g.apply_delete(gone, seq=1)
+    assert g.rows.n == 55_000  # deleted rows kept in place (1/7 < compaction's quarter)
+    check("kde")
+
+
+def test_candidate_vote_keeps_the_exact_votes_labels_on_the_default_gallery(default_gallery):
+    emb, y, names, q, qy = default_gallery
     exact = make_gallery(emb, y, names, exact_max=10**12)
     cand = make_gallery(emb, y, names, exact_max=0, candidates=CANDIDATES)
     assert exact.rows.dense and not cand.rows.dense

@@ -1,6 +1,8 @@
 """The compiled kde path (service.gallery.compiled.kde_top, one call per batch) gives what the
 step-by-step path (embedding.votes.Kde) gives, in the gallery states the service meets: all
-rows live, deleted rows not yet compacted, a label emptied by deletes, labels added later."""
+rows live, deleted rows not yet compacted, a label emptied by deletes, labels added later; with
+few labels (a one-hot product) and many (segment sums), at a temperature float32 holds and at
+one that needs float64."""
 
 import faiss
 import numpy as np
@@ -18,10 +20,14 @@ def _unit(rng, n):
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
-def _gallery(rng) -> Gallery:
-    g = Gallery(VectorIndex(faiss.IndexIDMap2(faiss.IndexFlatIP(DIM)), {}), DIM, temperature=0.05)
+SIZES = (("a", 300), ("b", 200), ("c", 5), ("d", 40))
+
+
+def _gallery(rng, sizes=SIZES, temperature=0.05) -> Gallery:
+    index = VectorIndex(faiss.IndexIDMap2(faiss.IndexFlatIP(DIM)), {})
+    g = Gallery(index, DIM, temperature=temperature)
     next_id = 0
-    for seq, (label, n) in enumerate((("a", 300), ("b", 200), ("c", 5), ("d", 40)), start=1):
+    for seq, (label, n) in enumerate(sizes, start=1):
         centre = _unit(rng, 1)
         emb = centre + 0.6 * _unit(rng, n)
         emb /= np.linalg.norm(emb, axis=1, keepdims=True)
@@ -37,6 +43,7 @@ def _compare(g: Gallery, q: np.ndarray) -> None:
     for f, s in zip(fast, slow, strict=True):
         assert f.label == s.label
         assert f.best_similarity == pytest.approx(s.best_similarity, abs=1e-6)
+        assert f.unknown_score == pytest.approx(s.unknown_score, abs=1e-6)
         assert [lab for lab, _ in f.probabilities] == [lab for lab, _ in s.probabilities]
         for (_, pf), (_, ps) in zip(f.probabilities, s.probabilities, strict=True):
             assert pf == pytest.approx(ps, abs=1e-6)
@@ -76,6 +83,23 @@ def test_compiled_kde_matches_the_step_by_step_rule(monkeypatch):
     g.apply_add([900, 901], "e", _unit(rng, 2), seq=11)  # a label added at run time
     _compare(g, np.concatenate([_unit(rng, 2), vec(900)[None, :]]))
     assert g.classify(vec(901)[None, :], "kde", 30)[0].best_similarity > 0.999
+
+
+@pytest.mark.parametrize("labels,temperature", [(40, 0.05), (4, 0.02), (40, 0.02)])
+def test_compiled_kde_matches_with_many_labels_and_a_sharp_kernel(labels, temperature):
+    """40 labels: per-label sums as segment sums (no one-hot); σ = 0.02: the kernel in float64,
+    shifted (unshifted, exp(1/σ) = e^50 would overflow float32)."""
+    rng = np.random.default_rng(labels)
+    sizes = [(f"l{i}", int(n)) for i, n in enumerate(rng.integers(1, 60, labels))]
+    g = _gallery(rng, sizes, temperature)
+    snap = g._unfiltered()
+    assert (snap.grouped.onehot is None) == (labels > 16)
+    _compare(g, _unit(rng, 9))
+    vec = g.rows.vector
+    g.apply_delete([(i, "l0", vec(i), "trained") for i in range(sizes[0][1])], seq=99)
+    _compare(g, _unit(rng, 5))  # a label emptied: a zero-length segment
+    assert all("l0" not in [lab for lab, _ in r.probabilities] for r in g.classify(
+        _unit(rng, 5), "kde", 30))  # fmt: skip
 
 
 def test_every_rule_answers_when_no_item_qualifies():
