@@ -36,6 +36,7 @@ from pathlib import Path
 from embedding.artifacts import atomic_write_json, fsync_dir
 from embedding.errors import ArtifactError
 from embedding.gallery import ITEM_COLUMNS, utc_now
+from embedding.index import sha256_file
 from service.store import sql
 
 FORMAT = "snca-gallery-backup/1"
@@ -99,14 +100,6 @@ def gallery_checksum(conn, dialect: sql.Dialect, at: int) -> tuple[str, int]:
         if len(rows) < PAGE:
             return h.hexdigest(), n
         after = rows[-1][0]
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _meta(conn) -> dict[str, str]:
@@ -174,7 +167,7 @@ def backup(backend, target: str, url: str, out: Path, say=print) -> dict:
         **counts,
         "checksum": digest,
         "file": STORE_NAME,
-        "file_sha256": file_sha256(part),
+        "file_sha256": sha256_file(part),
     }
     assert n == counts["items"]
     os.replace(part, out / STORE_NAME)
@@ -224,7 +217,7 @@ def verify(folder: Path) -> dict:
     path = folder / STORE_NAME
     if not path.is_file():
         raise ArtifactError(f"{path} is missing")
-    if file_sha256(path) != manifest["file_sha256"]:
+    if sha256_file(path) != manifest["file_sha256"]:
         raise ArtifactError(f"{path} does not match its sha256 in {MANIFEST}: the file changed")
     try:
         at = int(manifest["last_seq"])

@@ -11,7 +11,6 @@ exported again. The engine's outputs are still checked against the torch module 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -20,6 +19,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from embedding.index import sha256_file
 
 EXPORT_FORMAT = 1
 OPSET = 17
@@ -39,14 +40,6 @@ def wanted(fingerprint: str, space: str, world: bool, shape: tuple[int, ...]) ->
     }
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def stale(onnx: Path, want: dict) -> str | None:
     """Why the export at `onnx` (its card beside it) cannot serve `want`'s model; None: it can."""
     card_path = onnx.with_suffix(".json")
@@ -61,7 +54,7 @@ def stale(onnx: Path, want: dict) -> str | None:
     for key, value in want.items():
         if card.get(key) != value:
             return f"it was made for {key} {card.get(key)!r}, this model has {value!r}"
-    if card.get("sha256") != _sha256(onnx):
+    if card.get("sha256") != sha256_file(onnx):
         return f"{onnx.name} was modified after it was written (SHA-256 differs from its card)"
     return None
 
@@ -115,7 +108,7 @@ def _write(module: torch.nn.Module, example: torch.Tensor, want: dict, path: Pat
                 opset_version=OPSET,
                 dynamo=False,
             )
-        card = {**want, "sha256": _sha256(Path(tmp))}
+        card = {**want, "sha256": sha256_file(Path(tmp))}
         card_tmp = Path(tmp).with_suffix(".json")
         card_tmp.write_text(json.dumps(card, indent=2) + "\n")
         os.replace(tmp, path)

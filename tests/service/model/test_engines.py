@@ -18,6 +18,7 @@ from service.model.runtime import ModelRuntime
 
 from ..conftest import of_class
 from ..helpers import img, make_client
+from .nets import net_with_statistics
 
 
 def _installed() -> list[str]:
@@ -35,18 +36,11 @@ INSTALLED = _installed()
 
 
 def _model(arch: str, size: int, channels: int, seed: int = 0) -> EmbeddingNet:
-    torch.manual_seed(seed)
     cfg = ModelConfig(
         arch=arch, image_size=size, in_channels=channels, mean=(0.5,) * channels,
         std=(0.25,) * channels,
     )  # fmt: skip
-    m = EmbeddingNet(cfg).eval()
-    with torch.no_grad():  # BatchNorm statistics that matter (folding them must be exact)
-        for mod in m.modules():
-            if isinstance(mod, torch.nn.BatchNorm2d):
-                mod.running_mean.uniform_(-0.5, 0.5)
-                mod.running_var.uniform_(0.5, 2.0)
-    return m
+    return net_with_statistics(cfg, seed)
 
 
 def test_the_engines_the_service_ships_with_are_installed():
