@@ -568,27 +568,29 @@ def register_photos(a, model, gal) -> dict:
 
 def cost(a) -> dict:
     """What the open-set score adds to the service's hot path: the compiled kde call (batch
-    `--batch` against `--items` unit rows in 10 labels, grouped as the service keeps them) and
-    the score alone as the step-by-step path computes it (embedding.openset.label_kth_grouped
-    over the similarities), timed back to back in one process."""
+    `--batch` against `--items` unit rows in 10 labels) and, as the step-by-step path computes
+    it, the score alone (embedding.openset.label_kth_grouped), timed back to back in one
+    process."""
     from embedding.openset import label_groups, label_kth_grouped
-    from service.gallery.compiled import GroupedRows, scripted_kde_top
+    from embedding.votes import kde_prepare
+    from service.gallery.compiled import scripted_kde_top
 
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     x = torch.nn.functional.normalize(torch.randn(a.items, 128, generator=g), dim=1)
     y = torch.arange(a.items) % 10
     q = torch.nn.functional.normalize(torch.randn(a.batch, 128, generator=g), dim=1)
+    lab, counts, onehot = kde_prepare(y, 10, 0.05)
     order, starts = label_groups(y, 10)
     kcs = torch.full((10,), 10)
     full = scripted_kde_top()
     score = torch.jit.script(label_kth_grouped)
     sims = q @ x.T
-    rows = GroupedRows.of(x.T.numpy(), y.numpy(), 10, 0.05)  # what the service passes
+    xt = x.T.contiguous()  # (d, N): what the service passes (Rows.embeddings_t)
     pred = torch.randint(0, 10, (a.batch,), generator=g)
 
     def run_full():
-        full(q, rows.rows_t, rows.starts, rows.onehot, 0.05, 5, kcs, 0.5)
+        full(q, xt, lab, onehot, counts, 0.05, 5, None, order, starts, kcs, 0.5)
 
     def run_score():
         score(sims, order, starts, pred, kcs[pred])

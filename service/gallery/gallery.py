@@ -20,10 +20,10 @@ import torch
 
 from embedding import openset
 from embedding.openset import label_groups, label_kth, label_kth_grouped
-from embedding.votes import RULES, Candidates, GalleryView, Neighbors, VoteRule
+from embedding.votes import RULES, Candidates, GalleryView, Kde, Neighbors, VoteRule
 from embedding.world import DEFAULT_TPR as WORLD_TPR
 from embedding.world import WorldFit
-from service.gallery.compiled import GroupedRows, scripted_kde_top
+from service.gallery.compiled import ONEHOT_MAX_LABELS, scripted_kde_top
 from service.gallery.diagnostics import Diagnostics, diagnose, world_warning
 from service.gallery.lock import RWLock
 from service.gallery.openset import OpenSet
@@ -60,7 +60,7 @@ class Snapshot:
     view: GalleryView  # tensors over the rows (the embeddings are a view, not a copy)
     live: torch.Tensor | None  # (n,) bool, None when every row is live
     any_live: bool
-    grouped: GroupedRows | None  # the live rows grouped by label (compiled.kde_top); None: none
+    embeddings_t: torch.Tensor  # (d, n) the rows transposed, contiguous (Rows.embeddings_t)
 
 
 # Defaults measured on the 55,000-item Fashion-MNIST gallery (benchmarks/gallery_scale.py):
@@ -375,21 +375,15 @@ class Gallery:
             self.temperature,
         )
         all_live = bool(live.all())
-        any_live = bool(live.any())
-        # the compiled vote's copy of the live rows, grouped by label (~6 ms for 55,000 rows,
-        # once per change of the rows; it replaces a plain contiguous copy of every row)
-        grouped = (
-            GroupedRows.of(self.rows.embeddings_t, labels, len(self.stats), self.temperature)
-            if any_live
-            else None
-        )
         s = Snapshot(
             self.rows.epoch,
             len(self.stats),
             view,
             None if all_live else torch.from_numpy(live),
-            any_live,
-            grouped,
+            bool(live.any()),
+            # contiguous (a copy, ~3 ms for 55,000 rows, once per change of the rows): a
+            # strided (d, n) view is no faster to multiply than (n, d).T at batches of 4+
+            torch.from_numpy(np.ascontiguousarray(self.rows.embeddings_t)),
         )
         self._snapshot = s
         return s
@@ -463,12 +457,16 @@ class Gallery:
         top = min(5, c)
         kcs = self._kcs(view.counts)
         alpha = rule.fused_kde_prior()
-        if alpha is not None and not neighbors and snap is not None and snap.grouped is not None:
+        if alpha is not None and not neighbors and snap is not None and any_live:
             # the common request (a kde rule, no filter, no neighbours): one compiled call
-            g = snap.grouped
+            lab, counts, onehot = Kde.prepared(view)
+            if c > ONEHOT_MAX_LABELS:
+                onehot = None  # a scatter-add: the product grows with the labels
+            order, starts = self._groups(view)
             best, vals, idx, total, score = scripted_kde_top()(
-                qt, g.rows_t, g.starts, g.onehot, self.temperature, top, kcs, alpha
-            )
+                qt, snap.embeddings_t, lab, onehot, counts, self.temperature, top, live,
+                order, starts, kcs, alpha,
+            )  # fmt: skip
             return self._results(
                 best.tolist(), vals.tolist(), idx.tolist(), total.tolist(), scores=score.tolist()
             )

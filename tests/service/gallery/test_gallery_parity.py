@@ -1,8 +1,7 @@
 """The service's fast votes against the exact step-by-step vote on a default-sized gallery:
 55,000 real Fashion-MNIST training images embedded by a trained model, 5,000 test images as
 queries. The candidate vote (the path past exact_vote_max) at the default K' (issue 20's parity
-targets); the compiled dense vote (service.gallery.compiled: grouped rows, one in-place kernel
-pass) to within float rounding."""
+targets); the compiled dense vote (service.gallery.compiled) to within float rounding."""
 
 import numpy as np
 import pytest

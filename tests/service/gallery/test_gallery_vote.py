@@ -1,7 +1,7 @@
 """The compiled kde path (service.gallery.compiled.kde_top, one call per batch) gives what the
 step-by-step path (embedding.votes.Kde) gives, in the gallery states the service meets: all
 rows live, deleted rows not yet compacted, a label emptied by deletes, labels added later; with
-few labels (a one-hot product) and many (segment sums), at a temperature float32 holds and at
+few labels (a one-hot product) and many (a scatter-add), at a temperature float32 holds and at
 one that needs float64."""
 
 import faiss
@@ -11,6 +11,7 @@ import torch
 
 import service.gallery.gallery as gallery_mod
 from service.gallery import Gallery, VectorIndex
+from service.gallery.compiled import ONEHOT_MAX_LABELS
 
 DIM = 16
 
@@ -87,13 +88,12 @@ def test_compiled_kde_matches_the_step_by_step_rule(monkeypatch):
 
 @pytest.mark.parametrize("labels,temperature", [(40, 0.05), (4, 0.02), (40, 0.02)])
 def test_compiled_kde_matches_with_many_labels_and_a_sharp_kernel(labels, temperature):
-    """40 labels: per-label sums as segment sums (no one-hot); σ = 0.02: the kernel in float64,
-    shifted (unshifted, exp(1/σ) = e^50 would overflow float32)."""
+    """40 labels: per-label sums by a scatter-add (no one-hot product); σ = 0.02: the kernel in
+    float64, shifted (unshifted, exp(1/σ) = e^50 would overflow float32)."""
+    assert 4 <= ONEHOT_MAX_LABELS < 40  # both ways of summing are exercised
     rng = np.random.default_rng(labels)
     sizes = [(f"l{i}", int(n)) for i, n in enumerate(rng.integers(1, 60, labels))]
     g = _gallery(rng, sizes, temperature)
-    snap = g._unfiltered()
-    assert (snap.grouped.onehot is None) == (labels > 16)
     _compare(g, _unit(rng, 9))
     vec = g.rows.vector
     g.apply_delete([(i, "l0", vec(i), "trained") for i in range(sizes[0][1])], seq=99)
