@@ -20,10 +20,11 @@ from pathlib import Path
 
 from .errors import ArtifactError
 
-STORE_SCHEMA_VERSION = 6
+STORE_SCHEMA_VERSION = 7
 # Version 1 lacks items.thumbnail, 2 the log table, 3 log.token, 4 items.world, 5 the tables
-# tombstones and requests: read as is, upgraded by `migrate_store`.
-READABLE_SCHEMAS = ("1", "2", "3", "4", "5", "6")
+# tombstones and requests, 6 the tables label_changes and review: read as is, upgraded by
+# `migrate_store`.
+READABLE_SCHEMAS = ("1", "2", "3", "4", "5", "6", "7")
 SOURCES = ("trained", "added")
 # meta key: a store's own identity, random, given when a store is made from an index's seed (a
 # copy restored from a backup keeps it); two galleries of one model made at different times
@@ -69,6 +70,30 @@ CREATE TABLE tombstones (
     seq   {ID} NOT NULL,                 -- the write that deleted it (the last one, if several)
     PRIMARY KEY (kind, name)
 );
+CREATE TABLE label_changes (
+    seq   {ID} NOT NULL,                 -- the write (a label's delete, a rename, a merge, a
+                                         -- relabel of trained images)
+    kind  TEXT NOT NULL CHECK (kind IN ('label', 'trained')),
+    name  TEXT NOT NULL,                 -- label: the label whose trained items it changed,
+                                         -- trained: the JSON [dataset, dataset_index] of one
+    new   TEXT,                          -- their label after it (NULL: deleted)
+    PRIMARY KEY (seq, kind, name)        -- one write's rows apply together (labels first)
+);
+CREATE TABLE review (
+    id         {ID} PRIMARY KEY,         -- random, < 2^52: replicas queue without a counter
+    created_at TEXT    NOT NULL,         -- ISO 8601, UTC (kept SNCA_REVIEW_RETENTION_S)
+    embedding  {BLOB}  NOT NULL,         -- the query's vector under this gallery's model
+    world      {BLOB},                   -- its world statistics (embedding/world.py), or NULL
+    thumbnail  {BLOB},                   -- a small preview, or NULL
+    image      {BLOB},                   -- the upload itself, only with SNCA_REVIEW_KEEP_IMAGES
+    image_type TEXT,
+    answer     TEXT,                     -- the label answered (NULL: unknown)
+    nearest    TEXT,                     -- the vote's nearest label
+    margin     REAL    NOT NULL,         -- top probability minus the second
+    reason     TEXT,                     -- the unknown verdict, or NULL
+    bytes      INTEGER NOT NULL          -- what the row holds (the queue's byte bound)
+);
+CREATE INDEX review_created ON review (created_at);
 CREATE TABLE requests (
     key     TEXT PRIMARY KEY,            -- a write's Idempotency-Key
     digest  TEXT NOT NULL,               -- sha256 of what it asked (the same key for another
@@ -105,8 +130,15 @@ ADDED_COLUMNS = (
 
 
 # Tables added after schema 1 that `migrate_store` (and PostgreSQL's upgrade) create when a store
-# lacks them, with their indexes: log (2) has its own step; tombstones and requests (6).
-ADDED_TABLES = ("tombstones", "requests")
+# lacks them, with their indexes: log (2) has its own step; tombstones and requests (6),
+# label_changes (7: filled with the label tombstones a store had, `LABEL_CHANGES_FROM_TOMBSTONES`)
+# and review (7, empty: the review queue, service/review/).
+ADDED_TABLES = ("tombstones", "requests", "label_changes", "review")
+LABEL_CHANGES_FROM_TOMBSTONES = (
+    "INSERT INTO label_changes (seq, kind, name, new) SELECT seq, 'label', name, NULL "
+    "FROM tombstones "
+    "WHERE kind = 'label' ON CONFLICT DO NOTHING"
+)
 
 
 def added_table_statements(dialect: str = "sqlite") -> list[str]:
@@ -237,7 +269,9 @@ def migrate_store(conn: sqlite3.Connection) -> bool:
     the items added before: a label of them has no world of its own until images are added).
     5 -> 6: the tables tombstones (labels and trained images deleted: a carry to another
     model deletes them there too, whichever gallery it passed through) and requests
-    (Idempotency-Key records), empty."""
+    (Idempotency-Key records), empty. 6 -> 7: label_changes (a label's deletes and renames in
+    order, which a carry applies to another index's trained items), from the label
+    tombstones, and review (the review queue), empty."""
     version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
     if version == str(STORE_SCHEMA_VERSION):
         return False
@@ -259,6 +293,7 @@ def migrate_store(conn: sqlite3.Connection) -> bool:
                 conn.execute(added_column_sql(table, column, type_))
         for stmt in added_table_statements():
             conn.execute(stmt)
+        conn.execute(LABEL_CHANGES_FROM_TOMBSTONES)
         conn.execute(
             "INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (STORE_ID, new_token())
         )

@@ -166,6 +166,37 @@ class Settings(BaseSettings):
     )
     thumbnail_side: int = Field(96, ge=16, le=256, description="thumbnail long edge, pixels")
 
+    # the review queue (service/review/; issue 43)
+    review_queue: bool = Field(
+        False,
+        description="keep the queries answered unknown, or with a margin below "
+        "SNCA_REVIEW_MARGIN, for a person to name (GET /review, the page's Review tab)",
+    )
+    review_margin: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="an answer whose two best labels' probabilities differ by less goes to "
+        "review too (0: only unknowns)",
+    )
+    review_max_items: int = Field(10_000, ge=1, description="queries the queue keeps at most")
+    review_max_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="bytes the queue keeps at most (oldest go first)"
+    )
+    review_retention_s: float = Field(
+        7 * 86400.0, gt=0, description="seconds a queued query is kept"
+    )
+    review_keep_images: bool = Field(
+        False,
+        description="keep the upload itself with a queued query (up to "
+        "SNCA_MAX_STORED_IMAGE_BYTES; needed for a named query to be re-embedded by an upgrade)",
+    )
+    review_buffer_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=1024,
+        description="offers waiting for the queue's writer at most (beyond: dropped, counted)",
+    )
+
     # durability
     snapshot_every: int = Field(
         1000, ge=0, description="snapshot the index after this many writes (0: only on demand)"

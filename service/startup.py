@@ -482,11 +482,14 @@ def load_gallery(store, built, manifest, fingerprint: str, data: DataDir, snapsh
     # Bring the index up to the store: writes after the snapshot (or after the build), up to
     # last_seq. Other processes may write meanwhile: their adds are left to the follower, and
     # a delete after last_seq read here as already done makes the follower's delete a no-op.
+    # A correction moves an item's add_seq to its own write (store/base.py relabel): whether
+    # the index holds an item is read from the index, not inferred from add_seq.
     items = store.live_items(upto=last_seq)
-    replay_add = [it for it in items if it.add_seq > base_seq]
+    held = vectors.held()
+    replay_add = [it for it in items if it.add_seq > base_seq and it.id not in held]
     for item in replay_add:
         vectors.add(np.array([item.id], dtype=np.int64), item.embedding[None, :])
-    replay_del = [r for r in store.deleted_after(base_seq) if r[3] <= base_seq]
+    replay_del = [r for r in store.deleted_after(base_seq) if r[0] in held]
     vectors.remove(np.array([r[0] for r in replay_del], dtype=np.int64))
     return Loaded(vectors, items, last_seq, base_seq, len(replay_add), len(replay_del))
 

@@ -29,6 +29,7 @@ from service.store.migration import Report
 from service.store.records import (
     STANDBY,
     Keyed,
+    Relabelled,
     StoreStandby,
     WriteNotApplied,
     carried_away_message,
@@ -123,6 +124,53 @@ class ServiceState:
                 self._applied_after_commit(seq)
             return rows, seq
 
+    def relabel(
+        self, ids: list[int], label: str, keyed: Keyed | None = None
+    ) -> tuple[list[Relabelled], int]:
+        """Move the live items among `ids` to `label` (as the store has them); ([], version)
+        when none was live under another label."""
+        return self._correct(lambda: self.store.relabel(ids, label, keyed), label)
+
+    def rename(
+        self, old: str, new: str, merge: bool = False, keyed: Keyed | None = None
+    ) -> tuple[list[Relabelled], int]:
+        """Every live item of `old` moved to `new` (a rename, or with `merge` a merge into
+        `new`: records.LabelConflict when `new` has items, or has none); ([], version) when
+        `old` has none."""
+        return self._correct(lambda: self.store.rename(old, new, merge, keyed), new)
+
+    def name_queued(
+        self, ids: list[int], label: str, keyed: Keyed | None = None
+    ) -> tuple[list[int], list, int]:
+        """The queued queries among `ids` become items of `label` (store.name_queued: one
+        add) and are applied here: (new ids, the queued rows named, seq); ([], [], version)
+        when none is queued."""
+        with self.write_lock:
+            with self._store_write():
+                seq, new, queued = self.store.name_queued(ids, label, keyed)
+            if not seq:
+                return [], [], self.gallery.version
+            if self.gallery.version == seq - 1:
+                emb = np.stack([q.embedding for q in queued])
+                self.gallery.apply_add(new, label, emb, seq, [q.world for q in queued])
+                self._after_write()
+            else:
+                self._applied_after_commit(seq)
+            return new, queued, seq
+
+    def _correct(self, write, label: str) -> tuple[list[Relabelled], int]:
+        with self.write_lock:
+            with self._store_write():
+                seq, moved = write()
+            if not seq:
+                return [], self.gallery.version
+            if self.gallery.version == seq - 1:
+                self.gallery.apply_relabel(moved, label, seq)
+                self._after_write()
+            else:
+                self._applied_after_commit(seq)
+            return moved, seq
+
     @contextlib.contextmanager
     def _store_write(self):
         """Around a store write (under the write lock): what its failure tells of the store is
@@ -172,7 +220,7 @@ class ServiceState:
             if c.seq <= g.version:
                 continue
             if c.op == "add":
-                g.apply_add(c.ids, c.label, c.embeddings, c.seq, c.worlds)
+                g.apply_add(c.ids, c.label, c.embeddings, c.seq, c.worlds, c.sources)
             else:
                 g.apply_delete(c.rows, c.seq)
             self._after_write()

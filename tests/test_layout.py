@@ -66,11 +66,12 @@ SERVICE_LAYERS = {
     "store": set(),  # the system of record: nothing of the service above it
     "gallery": {"store"},  # the in-memory index, vote, open set
     "model": {"store", "gallery", "config", "logs"},  # runtime, embedder, batcher
+    "review": {"store", "gallery", "config", "logs"},  # the review queue: keep, group
     # the app, routes: the service's operations (registration) and what it observes
-    "http": {"store", "gallery", "model", "config", "state", "startup", "registration"}
-    | {"metrics", "logs"},
-    "tools": {"store", "gallery", "model", "config", "state", "startup", "registration"}
-    | {"logs"},  # the CLIs
+    "http": {"store", "gallery", "model", "review", "config", "state", "startup"}
+    | {"registration", "metrics", "logs"},
+    "tools": {"store", "gallery", "model", "review", "config", "state", "startup"}
+    | {"registration", "logs"},  # the CLIs
     "config": {"store"},
     "metrics": set(),  # what every process counts (prometheus)
     "logs": set(),  # JSON lines with the request id

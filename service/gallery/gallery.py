@@ -31,10 +31,11 @@ from service.gallery.query import VoteQuery
 from service.gallery.rows import LabelStats, Rows
 from service.gallery.vectors import VectorIndex
 from service.gallery.world import NO_CHECK, Worlds, WorldVerdict
-from service.store.records import Item
+from service.store.records import Item, Relabelled
 
 # The rules are stateless: one instance each.
-_RULES: dict[str, VoteRule] = {name: cls() for name, cls in RULES.items()}
+RULES_BY_NAME: dict[str, VoteRule] = {name: cls() for name, cls in RULES.items()}
+_RULES = RULES_BY_NAME
 
 
 @dataclass
@@ -49,6 +50,9 @@ class Classification:
     unknown_score: float | None = None
     label_id: int = -1
     world: WorldVerdict = NO_CHECK  # is the query of the chosen label's world (world.py)
+    # the query's row [vector | world statistics], float32, when the review queue keeps queries
+    # (service/review/); None otherwise
+    row: np.ndarray | None = None
 
 
 @dataclass
@@ -134,9 +138,25 @@ class Gallery:
                     self.worlds.added(c, idarr[added], [group[i].world for i in added])
             self._recalibrate([self.stats.ids[name] for name in by_label])
 
-    def apply_add(self, ids: list[int], label: str, emb: np.ndarray, seq: int, stats=None) -> None:
-        """Items the store committed as write `seq` (added through the service), with their
-        world statistics (rows of (D,) or None) when known."""
+    def apply_add(
+        self, ids: list[int], label: str, emb: np.ndarray, seq: int, stats=None, sources=None
+    ) -> None:
+        """Items the store committed as write `seq` under `label` (added through the service,
+        unless `sources` says), with their world statistics (rows of (D,) or None) when
+        known. An id this replica holds already was moved to `label` by a correction (the
+        store's relabel, rename, merge): it is moved here, its vector stays."""
+        held = [i for i, x in enumerate(ids) if self.rows.has(x)]
+        if held:
+            worlds = [None] * len(ids) if stats is None else list(stats)
+            src = ["added"] * len(ids) if sources is None else list(sources)
+            moved = [Relabelled(int(ids[i]), "", emb[i], src[i], worlds[i]) for i in held]
+            self.apply_relabel(moved, label, seq)
+            rest = sorted(set(range(len(ids))) - set(held))
+            if not rest:
+                return
+            ids = [ids[i] for i in rest]
+            emb = np.asarray(emb)[rest]
+            stats = None if stats is None else [stats[i] for i in rest]
         with self.lock.write():
             idarr = np.asarray(ids, dtype=np.int64)
             self.vectors.add(idarr, emb)
@@ -176,6 +196,29 @@ class Gallery:
                     self.worlds.removed(c, item_id)
                     touched.add(c)
             self.rows.compact()
+            self._recalibrate(sorted(touched))
+            self.version = max(self.version, seq)
+
+    def apply_relabel(self, moved: list[Relabelled], label: str, seq: int) -> None:
+        """Items a correction (write `seq`) moved to `label`: their rows, the label statistics
+        and the open-set samples of both labels move; both labels are calibrated anew."""
+        with self.lock.write():
+            c = self.stats.id_of(label)
+            touched = {c}
+            for m in moved:
+                was = self.rows.relabel(m.id, c)
+                if was is None or was == c:
+                    continue
+                added = m.source == "added"
+                e = np.asarray(m.embedding, dtype=np.float32)
+                self.stats.remove(was, e, added)
+                self.stats.add(c, e[None, :], int(added))
+                self.openset.removed(was, m.id)
+                self.openset.added(c, np.array([m.id], dtype=np.int64), e[None, :])
+                if added:
+                    self.worlds.removed(was, m.id)
+                    self.worlds.added(c, np.array([m.id], dtype=np.int64), [m.world])
+                touched.add(was)
             self._recalibrate(sorted(touched))
             self.version = max(self.version, seq)
 

@@ -159,6 +159,20 @@ class Rows:
         self.epoch += 1
         return c
 
+    def relabel(self, item_id: int, label: int) -> int | None:
+        """Move the live row of `item_id` to label id `label`; its label id before, or None if
+        it has no row."""
+        row = self._row(item_id)
+        if row < 0:
+            return None
+        c = int(self._label[row])
+        self._label[row] = label
+        self.epoch += 1
+        return c
+
+    def has(self, item_id: int) -> bool:
+        return self._row(item_id) >= 0
+
     def vector(self, item_id: int) -> np.ndarray | None:
         """(d,) the embedding of a live item (a copy), None if it has no row (or no matrix)."""
         r = self._row(item_id)

@@ -33,6 +33,10 @@ class VectorIndex:
             np.ascontiguousarray(emb, dtype=np.float32), np.asarray(ids, dtype=np.int64)
         )
 
+    def held(self) -> set[int]:
+        """The ids the index holds and has not tombstoned (read once at start-up)."""
+        return set(faiss.vector_to_array(self.index.id_map).tolist()) - self.tombstones
+
     def remove(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):

@@ -24,10 +24,20 @@ from service.http import openapi, problems
 from service.http.admission import Admission
 from service.http.keys import KeyRing
 from service.http.problems import Problem
-from service.http.routes import classify, gallery, ops, page, search
+from service.http.routes import (
+    classify,
+    corrections,
+    gallery,
+    ops,
+    page,
+    review,
+    search,
+    suggestions,
+)
 from service.logs import request_id, setup_logging
 from service.model.embedder import ImageError
 from service.model.wire import ModelUnavailable
+from service.review.queue import ReviewQueue
 from service.startup import ServiceHost
 from service.store import StoreUnavailable
 from service.store.records import WriteNotApplied
@@ -277,6 +287,8 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
         finally:
             host.phase = "stopping"  # /readyz fails first: load balancers stop sending
             await opening.runtime.stop()  # in-flight batches finish
+            if app.state.review is not None:  # (what it was handed, written)
+                await run_in_threadpool(app.state.review.close)
             host.stop()
 
     kw = {}
@@ -301,10 +313,20 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
     app.state.snca = host
     app.state.admission = admission = Admission(settings, host.metrics)
     host.on_ready.append(admission.attach)
+    app.state.review = None  # the review queue (service/review/), once the gallery is open
+
+    def open_review(state) -> None:
+        if settings.review_queue and app.state.review is None:
+            store_of = lambda: host.state.store  # noqa: E731 (a migration replaces it)
+            app.state.review = ReviewQueue(store_of, settings, state.runtime.embedder.dim)
+
+    host.on_ready.append(open_review)
     if host.state is not None:  # (opened and finished before the app: snca-serve)
         admission.attach(host.state)
+        open_review(host.state)
     app.state.keys = KeyRing.from_settings(settings)  # (cli checked it before binding the port)
-    for r in (classify.router, gallery.router, search.router, ops.router, page.router):
+    routers = (classify, gallery, corrections, suggestions, review, search, ops, page)
+    for r in (m.router for m in routers):
         app.include_router(r)
     app.mount("/static", StaticFiles(directory=page.STATIC_DIR), name="static")
     app.mount("/docs-assets", StaticFiles(directory=page.docs_assets()), name="docs-assets")

@@ -39,6 +39,8 @@ CODES = {
     "label_invalid": "a label is empty, too long, not text or not valid UTF-8",
     "label_unknown": "a label named in the request is not in the gallery",
     "item_unknown": "no live gallery item has this id",
+    "label_exists": "a rename onto a label that has items (merge into it instead)",
+    "label_same": "a rename or merge of a label onto itself",
     "thumbnail_unknown": "the item has no thumbnail",
     "validation_error": "a field or parameter is invalid (the detail names it)",
     "unknown_parameter": "a query parameter the route does not take (a typo would do nothing)",

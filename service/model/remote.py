@@ -417,6 +417,7 @@ def _answer(r: ClassifyAnswer, tpr: float | None, settings: Settings) -> Answer:
         r.unknown_score,
         r.label_id,
         WorldVerdict(w["score"], w["threshold"], w["ok"], w["basis"]),
+        r.row,
     )
     return Answer.judged(c, r.threshold, r.version, tpr, settings)
 

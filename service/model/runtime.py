@@ -430,6 +430,10 @@ class ModelRuntime(Runtime):
             res = self.gallery.answer(q, query, s)
             for i, r in zip(idx, res, strict=True):
                 out[i] = r
+            if self.settings.review_queue:  # (the queue keeps the vector of what it keeps)
+                full = rows.numpy()
+                for i in idx:
+                    out[i].row = full[i].copy()
         return out
 
     async def classify(self, p: Prepared, query: VoteQuery) -> Classification:

@@ -91,7 +91,10 @@ class ClassifyJob:
         return Job("classify", pixels, VoteQuery(self.vote, self.k, labels, self.neighbors))
 
     def result(self, c, ctx) -> ClassifyAnswer:
-        return ClassifyAnswer.of(self.id, c, ctx.threshold(self.tpr, c.label_id), ctx.version)
+        a = ClassifyAnswer.of(self.id, c, ctx.threshold(self.tpr, c.label_id), ctx.version)
+        if c.row is not None:  # (the review queue: the query's row rides in the payload)
+            a.row_offset, a.row_length = ctx.add_row(c.row), len(c.row)
+        return a
 
 
 @dataclass(slots=True)
@@ -137,6 +140,9 @@ class ClassifyAnswer:
     world: dict  # WorldVerdict's fields by name
     threshold: float | None
     version: int
+    row_offset: int = -1  # the query's row in the batch's payload (floats), -1: not sent
+    row_length: int = 0
+    row: np.ndarray | None = None  # (set on the front from the payload)
 
     @classmethod
     def of(cls, job_id: int, c, threshold: float | None, version: int) -> ClassifyAnswer:
@@ -157,6 +163,9 @@ class ClassifyAnswer:
         )
 
     def value(self, payload: bytes) -> ClassifyAnswer:
+        if self.row_offset >= 0:
+            off = self.row_offset * 4
+            self.row = np.frombuffer(payload, np.float32, self.row_length, off).copy()
         return self
 
 

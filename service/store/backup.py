@@ -47,12 +47,18 @@ LOG_COLUMNS = ("seq", "op", "items", "at", "token")
 EXTRA_TABLES = {
     "tombstones": ("kind", "name", "seq"),
     "requests": ("key", "digest", "seq", "outcome", "at"),
+    "label_changes": ("seq", "kind", "name", "new"),
+    "review": (
+        *("id", "created_at", "embedding", "world", "thumbnail", "image", "image_type"),
+        *("answer", "nearest", "margin", "reason", "bytes"),
+    ),
 }
 PAGE = 1000  # item rows read at a time (images included: bounded memory)
 PARTIAL = f".{STORE_NAME}.partial"  # the copy while it is written
 # what a restored store drops of its source's meta (both backends): it stands alone, with no
 # other galleries' registry, alias, carry state, standby flag, seal or live epoch; it keeps its
-# items, log, tombstones, Idempotency-Key records, model, index build and counters
+# items, log, tombstones, label changes, the review queue, Idempotency-Key records, model,
+# index build and counters
 DROPPED_META = ("gallery:%", "alias:%", "carry:%", "standby", "carried_to", "live_epoch")
 
 LIVE_AT = (

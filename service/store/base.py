@@ -25,11 +25,15 @@ from service.store.records import (
     Item,
     ItemRow,
     Keyed,
+    LabelConflict,
     NothingChanged,
+    Queued,
+    Relabelled,
     Replayed,
     StoreCarriedAway,
     StoredItem,
     StoreStandby,
+    blob,
     carried_away_message,
     new_items,
     standby_message,
@@ -283,22 +287,198 @@ class Store(ABC):
             tomb = self.dialect.q(sql.UPSERT_TOMBSTONE)
             if label is not None:  # (covers its trained items)
                 conn.execute(tomb, ("label", label, seq))
+                conn.execute(self.dialect.q(sql.INSERT_LABEL_CHANGE), (seq, "label", label, None))
             else:
-                trained = [r[0] for r in rows if r[3] == "trained"]
-                for s in range(0, len(trained), sql.CHUNK):
-                    chunk = trained[s : s + sql.CHUNK]
-                    q = sql.ids_in(
-                        self.dialect, "SELECT metadata FROM items WHERE id IN ({ids})", chunk
-                    )
-                    for (md,) in conn.execute(q, chunk).fetchall():
-                        name = trained_key(md)
-                        if name is not None:
-                            conn.execute(tomb, ("trained", name, seq))
+                for name in self._trained_keys(conn, [r[0] for r in rows if r[3] == "trained"]):
+                    conn.execute(tomb, ("trained", name, seq))
             deleted = [[int(r[0]), r[1]] for r in rows]
             self._keyed(conn, keyed, seq, {"op": "delete", "rows": deleted, "label": label})
             return rows
 
         return self.transaction(fn, "delete", len)
+
+    def _trained_keys(self, conn, ids: list[int]) -> list[str]:
+        """Inside a write: the tombstone names (trained_key) of the trained items `ids`."""
+        out = []
+        for s in range(0, len(ids), sql.CHUNK):
+            chunk = ids[s : s + sql.CHUNK]
+            q = sql.ids_in(self.dialect, "SELECT metadata FROM items WHERE id IN ({ids})", chunk)
+            out += [n for (md,) in conn.execute(q, chunk).fetchall() if (n := trained_key(md))]
+        return out
+
+    def relabel(
+        self, ids: list[int], label: str, keyed: Keyed | None = None
+    ) -> tuple[int, list[Relabelled]]:
+        """Move the live items among `ids` (trained or added) to `label`, as the store has
+        them now; return (seq, the items moved, with their label before), (0, []) when none
+        was live under another label (nothing written). Each moved row's add_seq becomes this
+        write's seq: the followers' log read brings it as an add of an id they hold, which
+        they apply as a move (service/gallery/gallery.py apply_add); a carry moves the
+        item's copy (an added item by id, a trained one by its dataset index)."""
+
+        def fn(conn, seq):
+            rows = []
+            for s in range(0, len(ids), sql.CHUNK):
+                chunk = [int(i) for i in ids[s : s + sql.CHUNK]]
+                q = sql.ids_in(self.dialect, sql.LIVE_ROWS_OF_IDS, chunk)
+                rows += conn.execute(q, chunk).fetchall()
+            moved = sorted((relabelled(r) for r in rows if r[1] != label), key=lambda m: m.id)
+            if not moved:
+                raise NothingChanged([])
+            conn.cursor().executemany(
+                self.dialect.q(sql.SET_LABEL), [(label, seq, m.id) for m in moved]
+            )
+            # a trained image's new label travels by its dataset index, like its delete
+            for name in self._trained_keys(conn, [m.id for m in moved if m.source == "trained"]):
+                change = (seq, "trained", name, label)
+                conn.execute(self.dialect.q(sql.INSERT_LABEL_CHANGE), change)
+            outcome = {"op": "relabel", "rows": [[m.id, m.old] for m in moved], "label": label}
+            self._keyed(conn, keyed, seq, outcome)
+            return moved
+
+        return self.transaction(fn, "relabel", len)
+
+    def rename(
+        self, old: str, new: str, merge: bool = False, keyed: Keyed | None = None
+    ) -> tuple[int, list[Relabelled]]:
+        """Every live item of label `old` moved to `new`: a rename (`new` must have no live
+        item: LabelConflict label_exists) or, `merge`, a merge into `new` (which must have
+        one: LabelConflict label_unknown); (0, []) when `old` has none (nothing written). A
+        row of label_changes goes with it: a carry into another model's gallery renames that
+        gallery's trained items of `old` too, whichever images its index holds."""
+
+        def fn(conn, seq):
+            d = self.dialect
+            exists = conn.execute(d.q(sql.HAS_LABEL), (new,)).fetchone() is not None
+            if exists and not merge:
+                raise LabelConflict(
+                    "label_exists",
+                    f"label {new!r} has items already: merge {old!r} into it instead",
+                )
+            if merge and not exists:
+                raise LabelConflict("label_unknown", f"no live items with label {new!r}")
+            moved = [relabelled(r) for r in conn.execute(d.q(sql.LIVE_ROWS_OF_LABEL), (old,))]
+            if not moved:
+                raise NothingChanged([])
+            conn.execute(d.q(sql.RENAME_LABEL), (new, seq, old))
+            conn.execute(d.q(sql.INSERT_LABEL_CHANGE), (seq, "label", old, new))
+            op = "merge" if merge else "rename"
+            self._keyed(
+                conn, keyed, seq, {"op": op, "from": old, "label": new, "count": len(moved)}
+            )
+            return moved
+
+        return self.transaction(fn, "merge" if merge else "rename", len)
+
+    # ------------------------------------------------------------------ the review queue
+    def queue(self, rows: list[Queued], max_items: int, max_bytes: int, keep_s: float) -> int:
+        """Keep `rows` for review, then hold the queue to its bounds: rows older than `keep_s`
+        seconds go, then the oldest until at most `max_items` rows and `max_bytes` remain.
+        Bookkeeping outside the log (no seq: the gallery did not change; a replica reads the
+        queue from the store). Returns the rows dropped."""
+        now = utc_now()
+        values = [
+            (
+                int(r.id), r.created_at or now, blob(r.embedding),
+                None if r.world is None else blob(r.world), r.thumbnail, r.image,
+                r.image_type, r.answer, r.nearest, float(r.margin), r.reason, r.size(),
+            )
+            for r in rows
+        ]  # fmt: skip
+
+        def fn(conn):
+            d = self.dialect
+            if values:
+                conn.cursor().executemany(d.q(sql.INSERT_REVIEW), values)
+            dropped = max(0, conn.execute(d.q(sql.REVIEW_EXPIRED), (_ago(keep_s),)).rowcount)
+            n, b = (int(x) for x in conn.execute(sql.REVIEW_TOTALS).fetchone())
+            if n <= max_items and b <= max_bytes:
+                return dropped
+            gone = []
+            for item_id, size in conn.execute(d.q(sql.REVIEW_OLDEST), (n,)).fetchall():
+                if n <= max_items and b <= max_bytes:
+                    break
+                gone.append(int(item_id))
+                n, b = n - 1, b - int(size)
+            for s in range(0, len(gone), sql.CHUNK):
+                chunk = gone[s : s + sql.CHUNK]
+                conn.execute(sql.ids_in(d, sql.REVIEW_DELETE, chunk), chunk)
+            return dropped + len(gone)
+
+        return self.plain(fn)
+
+    def queued(self, limit: int) -> list[Queued]:
+        """The newest `limit` rows of the review queue (without thumbnails and images)."""
+        return [_queued(r) for r in self._select(self.dialect.q(sql.REVIEW_ROWS), (int(limit),))]
+
+    def queued_items(self, ids: list[int]) -> list[Queued]:
+        """The queue's rows among `ids`, every column."""
+        return [_queued(r) for r in self._rows_of_ids(sql.REVIEW_OF_IDS, ids)]
+
+    def queued_thumbnail(self, item_id: int) -> bytes | None:
+        rows = self._select(self.dialect.q(sql.REVIEW_THUMBNAIL), (int(item_id),))
+        return None if not rows or rows[0][0] is None else bytes(rows[0][0])
+
+    def queue_totals(self) -> tuple[int, int]:
+        """(rows, bytes) of the review queue."""
+        n, b = self._select(sql.REVIEW_TOTALS)[0]
+        return int(n), int(b)
+
+    def dismiss(self, ids: list[int]) -> int:
+        """Take `ids` out of the review queue (no seq); how many were there."""
+
+        def fn(conn):
+            out = 0
+            for s in range(0, len(ids), sql.CHUNK):
+                chunk = [int(i) for i in ids[s : s + sql.CHUNK]]
+                out += max(
+                    0,
+                    conn.execute(
+                        sql.ids_in(self.dialect, sql.REVIEW_DELETE, chunk), chunk
+                    ).rowcount,
+                )
+            return out
+
+        return self.plain(fn)
+
+    def name_queued(
+        self, ids: list[int], label: str, keyed: Keyed | None = None
+    ) -> tuple[int, list[int], list[Queued]]:
+        """The queued queries among `ids` become items of `label` and leave the queue, in one
+        write (an add: in the log, followed, carried); (seq, new item ids, the rows named, in
+        the new ids' order), (0, [], []) when none is queued any more (nothing written)."""
+        now = utc_now()
+
+        def fn(conn, seq):
+            rows = []
+            for s in range(0, len(ids), sql.CHUNK):
+                chunk = [int(i) for i in ids[s : s + sql.CHUNK]]
+                rows += conn.execute(
+                    sql.ids_in(self.dialect, sql.REVIEW_OF_IDS, chunk), chunk
+                ).fetchall()
+            queued = sorted((_queued(r) for r in rows), key=lambda q: q.id)
+            if not queued:
+                raise NothingChanged(([], []))
+            new = self._next_ids(conn, len(queued))
+            emb = np.stack([q.embedding for q in queued])
+            md = [{"review": {"queued_at": q.created_at, "answered": q.answer}} for q in queued]
+            images = [None if q.image is None else (q.image, q.image_type) for q in queued]
+            worlds = None
+            if all(q.world is not None for q in queued):
+                worlds = np.stack([q.world for q in queued])
+            thumbs = [q.thumbnail for q in queued]
+            items = new_items(new, label, emb, md, images, thumbs, now, worlds)
+            insert_items(conn, self.dialect, items, seq)
+            done = [q.id for q in queued]
+            for s in range(0, len(done), sql.CHUNK):
+                chunk = done[s : s + sql.CHUNK]
+                conn.execute(sql.ids_in(self.dialect, sql.REVIEW_DELETE, chunk), chunk)
+            outcome = {"op": "name", "ids": new, "label": label, "queued": done}
+            self._keyed(conn, keyed, seq, outcome)
+            return new, queued
+
+        seq, (new, queued) = self.transaction(fn, "add", lambda r: len(r[0]))
+        return seq, new, queued
 
     # ------------------------------------------------------------------ lifetime
     @abstractmethod
@@ -308,6 +488,22 @@ class Store(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+def _queued(r) -> Queued:
+    """A REVIEW_ROWS / REVIEW_OF_IDS row as a Queued."""
+    extra = [None if v is None else bytes(v) for v in r[9:11]] + list(r[11:12])
+    return Queued(
+        int(r[0]), r[1], vec(r[2]), None if r[3] is None else vec(r[3]), r[4], r[5],
+        float(r[6]), r[7], bool(r[8]), *extra,
+    )  # fmt: skip
+
+
+def relabelled(row) -> Relabelled:
+    """A LIVE_ROWS_* row (id, label, embedding, source, world) as the item a correction moves."""
+    return Relabelled(
+        int(row[0]), row[1], vec(row[2]), row[3], None if row[4] is None else vec(row[4])
+    )
 
 
 def trained_key(metadata: str | None) -> str | None:

@@ -25,6 +25,13 @@ Rules, the same for every ending:
   (the source's `tombstones` table) deletes every trained item of that label in the target,
   whichever images the target's index holds; a carry into a target that already holds items
   first deletes there what the source no longer holds.
+- **Corrections** (relabel, rename, merge: store/base.py) move an item's label in place and its
+  add_seq to their write: follow and backfill move the target's copy (an added item by id, a
+  trained one by dataset and dataset index: `_with_moves`). A label's delete, rename or merge
+  is also a row of label_changes, which a carry applies to the target's trained items of that
+  label whatever images its index holds (composed in order: `compose_label_changes`); at the
+  start, the source's relabelled trained rows are applied after them (the rows are the truth
+  for the items the source holds).
 - **Idempotency records** (Idempotency-Key) travel with the writes they answer, so a client's
   retry after a switch is answered as the first attempt was.
 - **Resumable.** Every target write saves the state with it (`carry:<source gen>` in the target's
@@ -116,6 +123,7 @@ class Carry:
         self._trained: dict[tuple, int] | None = None  # target: dataset key -> trained id
         self.carried = 0  # items written into the target by this run
         self.deleted = 0  # items deleted in the target by this run
+        self.relabelled = 0  # items whose label a correction in the source changed, moved here
         self.caught_up = 0  # source writes applied by follow in this run
         self._ids = "kept"  # or "renumbered" (the state says, once begun)
         self.discard_hint = "remove that gallery and run the command again"
@@ -188,6 +196,7 @@ class Carry:
             next_id = max(int(src.meta()["next_id"]), next_id)
         gone = [] if renumber else self._gone_from_source()
         tombs = self._tombstones(src._select)
+        moves = self._trained_moves(src._select(sql.RELABELLED_TRAINED))
         requests = [] if renumber else src._select(src.dialect.q(REQUESTS_UPTO), (seq,))
         st = {
             "source_seq": seq,
@@ -207,6 +216,7 @@ class Carry:
                 conn.execute(CARRIED_TABLE.format(**SQL_TYPES[d.name]))
             tgt.set_meta(conn, "next_id", str(next_id))
             self._bury(conn, wseq, tombs, gone)
+            self._with_moves(moves)(conn, wseq)  # (after the renames: the rows are the truth)
             self._copy_requests(conn, requests)
             self._save(conn, st, wseq)
 
@@ -247,33 +257,64 @@ class Carry:
         return gone
 
     def _tombstones(self, read: Read, after: int | None = None) -> list[tuple[str, str, int]]:
-        """(kind, name, seq) of the source's deletes that a carry must never undo: its
-        tombstones (after write `after`, or all), and at the start also the trained items its
-        rows say are deleted (a store written before tombstones existed)."""
+        """(kind, name, seq) of the source's deletes and label changes that a carry must never
+        undo: its tombstones and label_changes (kind "change", name the JSON [old, new]) after
+        write `after`, or all; at the start also the trained items its rows say are deleted (a
+        store written before tombstones existed)."""
         d = self.source.store.dialect
         if after is not None:
-            return [tuple(r) for r in read(d.q(sql.TOMBSTONES_AFTER), (after,))]
-        out = [tuple(r) for r in read(sql.TOMBSTONES)]
-        for _, md in read(DELETED_TRAINED):
-            name = trained_key(md)
-            if name is not None:
-                out.append(("trained", name, 0))
-        return out
+            out = [tuple(r) for r in read(d.q(sql.TOMBSTONES_AFTER), (after,))]
+        else:
+            out = [tuple(r) for r in read(sql.TOMBSTONES)]
+            for _, md in read(DELETED_TRAINED):
+                name = trained_key(md)
+                if name is not None:
+                    out.append(("trained", name, 0))
+        changes = read(d.q(sql.LABEL_CHANGES_AFTER), (-1 if after is None else after,))
+        return out + [("change", json.dumps(list(r[1:])), int(r[0])) for r in changes]
 
     def _bury(self, conn, seq: int, tombs: list[tuple[str, str, int]], ids: list[int]) -> None:
-        """Inside a target write: delete `ids` and what the tombstones `tombs` name here (a
-        label's trained items, a trained image by its dataset index), and keep the tombstones
-        (they travel on, even where nothing matched)."""
+        """Inside a target write: delete `ids` and the trained images the tombstones `tombs`
+        name by dataset index; apply the label changes among them to the target's trained
+        items, whichever images its index holds (composed in seq order into one mapping,
+        applied at once: a rename chain, a swap, a delete after a merge all come out as they
+        did in the source); keep the tombstones and the mapping (they travel on, even where
+        nothing matched)."""
         tgt = self.target.store
         d = tgt.dialect
         kill = list(ids)
-        for kind, name, _ in tombs:
-            if kind == "label":
-                kill += [r[0] for r in conn.execute(d.q(sql.LIVE_TRAINED_OF_LABEL), (name,))]
-            else:
+        changes = []
+        for kind, name, at in tombs:
+            if kind == "change":
+                changes.append((int(at), *json.loads(name)))
+                continue
+            if kind == "trained":
                 tid = (self._trained or {}).get(_dataset_key(json.dumps(_key_meta(name))))
                 kill += [] if tid is None else [tid]
             conn.execute(d.q(sql.UPSERT_TOMBSTONE), (kind, name, seq))
+        labels, images = compose_label_changes(changes)
+        moves = []
+        for old, new in sorted(labels.items()):  # (simultaneous: read all, then write)
+            live = [r[0] for r in conn.execute(d.q(sql.LIVE_TRAINED_OF_LABEL), (old,))]
+            if new is None:
+                kill += live
+            else:
+                moves += [(tid, new) for tid in live]
+            conn.execute(d.q(sql.INSERT_LABEL_CHANGE), (seq, "label", old, new))
+        for name, new in sorted(images.items()):  # (after the labels: they are final)
+            tid = (self._trained or {}).get(_dataset_key(json.dumps(_key_meta(name))))
+            if tid is not None:
+                moves = [m for m in moves if m[0] != tid]
+                if new is None:  # (its label was deleted after it was relabelled)
+                    kill.append(tid)
+                else:
+                    moves.append((tid, new))
+            conn.execute(d.q(sql.INSERT_LABEL_CHANGE), (seq, "trained", name, new))
+        if moves:
+            conn.cursor().executemany(
+                d.q(sql.SET_LABEL), [(new, seq, int(tid)) for tid, new in moves]
+            )
+            self.relabelled += len(moves)
         if kill:
             self.deleted += len(tgt._mark_deleted(conn, seq, sorted(set(kill)), None))
 
@@ -355,6 +396,10 @@ class Carry:
         have = self._new_ids([it.id for it in items]) if items else {}
         todo = [it for it in items if it.id not in have]
         ok = self._embed(todo, st) if todo else []
+        # items the target holds already take the source's label (a correction made since)
+        moves = [(have[it.id], it.label) for it in items if it.id in have]
+        if moves:
+            extra = self._with_moves(moves, extra)
         runs: list[list[StoredItem]] = []
         for it in ok:
             if runs and runs[-1][0].label == it.label:
@@ -390,6 +435,30 @@ class Carry:
 
             self._write(fn)
             self.carried += len(run)
+
+    def _with_moves(self, moves: list[tuple[int, str]], then=None):
+        """An `extra` for a target write: the target's live items `moves` (target id, label)
+        moved to their label where it differs (a correction in the source), then `then`."""
+
+        def extra(conn, seq):
+            q = self.target.store.dialect.q(sql.MOVE_LABEL)
+            for tid, label in moves:
+                self.relabelled += conn.execute(q, (label, seq, int(tid), label)).rowcount
+            if then is not None:
+                then(conn, seq)
+
+        return extra
+
+    def _trained_moves(self, rows: list[tuple[str | None, str]]) -> list[tuple[int, str]]:
+        """(target id, label) of the target's trained items that source trained rows
+        (metadata, label) name by dataset and dataset index."""
+        self._load_trained()
+        out = []
+        for metadata, label in rows:
+            tid = (self._trained or {}).get(_dataset_key(metadata))
+            if tid is not None:
+                out.append((tid, label))
+        return out
 
     def backfill(self, st: dict) -> dict:
         """The bulk copy, resumed after the last batch committed."""
@@ -466,6 +535,11 @@ class Carry:
 
             if c.op == "add":
                 items = stored_items(_rows_of_ids(read, d, sql.STORED_OF_IDS, c.ids))
+                trained = [r for r in (c.sources or []) if r == "trained"]
+                if trained:  # a correction moved trained items: the target's, by dataset key
+                    keys = _rows_of_ids(read, d, sql.SOURCE_KEYS_OF_IDS, c.ids)
+                    rows = [(r[2], c.label) for r in keys if r[1] == "trained"]
+                    extra = self._with_moves(self._trained_moves(rows), extra)
                 self._add(sorted(items, key=lambda it: it.id), st, extra)
             else:
                 keys = _rows_of_ids(read, d, sql.SOURCE_KEYS_OF_IDS, c.ids)
@@ -513,6 +587,7 @@ class Carry:
             mapped = self._new_ids([r[0] for r in tgt._select("SELECT old_id FROM carried")])
             gone = [new for old, new in mapped.items() if old not in live]
         tombs = self._tombstones(read)
+        moves = self._trained_moves(read(sql.RELABELLED_TRAINED))
         # the Idempotency records of the writes the log no longer holds (a client's retry on
         # the target must be answered by the first outcome, not made again)
         requests = read(d.q(REQUESTS_AFTER), (int(st["source_seq"]),))
@@ -522,6 +597,7 @@ class Carry:
 
         def fn(conn, seq):
             self._bury(conn, seq, tombs, gone)
+            self._with_moves(moves)(conn, seq)
             self._copy_requests(conn, requests)
             self._save(conn, st, seq)
 
@@ -550,6 +626,32 @@ class Carry:
     def forget(self, conn) -> None:
         """Inside a target write: drop this carry's state (the target replaced its source)."""
         self.target.store.set_meta(conn, state_key(self.source.gen), None)
+
+
+def compose_label_changes(
+    changes: list[tuple[int, str, str, str | None]],
+) -> tuple[dict[str, str | None], dict[str, str | None]]:
+    """(seq, kind, name, new) rows of label_changes composed in seq order into what they make
+    of a gallery's trained items: ({label: its items' label after all of them (None:
+    deleted)}, {trained image key: its label after all of them}), identities left out. One
+    write's rows apply together, its label rows before its image rows; an image relabelled is
+    moved on by the label changes after it. Applied in that order (labels, then images), the
+    two give every trained item the label the source's history gives it."""
+    f: dict[str, str | None] = {}
+    img: dict[str, str | None] = {}
+    by_seq: dict[int, tuple[dict, dict]] = {}
+    for q, kind, name, new in changes:
+        by_seq.setdefault(q, ({}, {}))[0 if kind == "label" else 1][name] = new
+    for q in sorted(by_seq):
+        g, relabelled = by_seq[q]
+        for m in (f, img):  # what earlier writes made of a label, moved on by this one
+            for k, v in m.items():
+                if v is not None and v in g:
+                    m[k] = g[v]
+        for old, new in g.items():
+            f.setdefault(old, new)
+        img.update(relabelled)
+    return {k: v for k, v in f.items() if v != k}, img
 
 
 def _upto(by_seq: dict[int, list], seq: int) -> list:

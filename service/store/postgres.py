@@ -35,6 +35,7 @@ from embedding.errors import ArtifactError
 from embedding.gallery import (
     ADDED_COLUMNS,
     ITEM_COLUMNS,
+    LABEL_CHANGES_FROM_TOMBSTONES,
     SQL_TYPES,
     STORE_ID,
     STORE_SCHEMA_VERSION,
@@ -447,6 +448,7 @@ class PostgresStore(Store):
                 )
             for stmt in added_table_statements(D.name):  # each table the database lacks
                 conn.execute(stmt)
+            conn.execute(LABEL_CHANGES_FROM_TOMBSTONES)
             conn.execute(
                 "INSERT INTO meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING",
                 (STORE_ID, new_token()),

@@ -103,6 +103,27 @@ class NothingChanged(Exception):
     seq taken (a delete of ids that are not live)."""
 
 
+class LabelConflict(Exception):
+    """A correction that cannot be made as asked (rolled back, nothing written): a rename onto
+    a label that has items (that is a merge), a merge into a label that has none. `code`: the
+    problem's code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Relabelled:
+    """One item a correction moved to another label: what the gallery needs to move it."""
+
+    id: int
+    old: str  # its label before
+    embedding: np.ndarray  # (d,) float32
+    source: str  # trained | added
+    world: np.ndarray | None  # (D,) world statistics (added items), or None
+
+
 @dataclass
 class Item:
     id: int
@@ -131,6 +152,30 @@ class StoredItem:
 
 
 @dataclass
+class Queued:
+    """A query kept for review (service/review/): what the service answered and could not
+    name well enough, its vector under this gallery's model, a thumbnail, the upload if kept."""
+
+    id: int
+    created_at: str
+    embedding: np.ndarray  # (d,) float32
+    world: np.ndarray | None
+    answer: str | None  # the label answered (None: unknown)
+    nearest: str | None
+    margin: float
+    reason: str | None
+    has_thumbnail: bool = False
+    thumbnail: bytes | None = None  # (when written; reads leave it in the store)
+    image: bytes | None = None
+    image_type: str | None = None
+
+    def size(self) -> int:
+        """Bytes the row holds (the queue's byte bound)."""
+        w = 0 if self.world is None else 4 * len(self.world)
+        return 4 * len(self.embedding) + w + len(self.thumbnail or b"") + len(self.image or b"")
+
+
+@dataclass
 class ItemRow:
     """What GET /gallery/items tells of an item."""
 
@@ -144,7 +189,8 @@ class ItemRow:
 
 @dataclass
 class Change:
-    """One write of the log, as a follower applies it: an add (ids, label, embeddings) or a
+    """One write of the log, as a follower applies it: an add (ids, label, embeddings; with a
+    correction, items the follower may hold already under another label: it moves them) or a
     delete (rows: id, label, embedding, source)."""
 
     seq: int
@@ -154,6 +200,7 @@ class Change:
     embeddings: np.ndarray | None = None  # (n, d) float32, adds
     rows: list[tuple[int, str, np.ndarray, str]] | None = None  # deletes
     worlds: list[np.ndarray | None] | None = None  # adds: each item's world statistics
+    sources: list[str] | None = None  # adds: each item's source (trained | added)
 
 
 @dataclass
@@ -177,8 +224,11 @@ def changes_from_rows(rows, after: int) -> list[Change]:
     for item_id, label, source, emb, add_seq, deleted_seq, world in rows:
         v = vec(emb)
         if add_seq > after:
-            c = adds.setdefault(add_seq, Change(add_seq, "add", [], label, None, worlds=[]))
+            c = adds.setdefault(
+                add_seq, Change(add_seq, "add", [], label, None, worlds=[], sources=[])
+            )
             c.ids.append(item_id)
+            c.sources.append(source)
             c.rows = (c.rows or []) + [(item_id, label, v, source)]
             c.worlds.append(None if world is None else vec(world))
         if deleted_seq is not None and deleted_seq > after:

@@ -86,6 +86,28 @@ LIVE_OF_IDS = (
     "SELECT id, label, embedding, source FROM items WHERE deleted_seq IS NULL AND id IN ({ids})"
 )
 MARK_DELETED = "UPDATE items SET deleted_seq = {p} WHERE id = {p}"
+# corrections (Store.relabel, Store.rename): the live rows they touch, as the gallery needs them
+# (id, label, embedding, source, world); a relabel moves the row's add_seq to the write that
+# relabelled it, so the followers' CHANGES bring it (a replica that holds the item moves its label)
+LIVE_ROWS_OF_IDS = (
+    "SELECT id, label, embedding, source, world FROM items "
+    "WHERE deleted_seq IS NULL AND id IN ({ids})"
+)
+LIVE_ROWS_OF_LABEL = (
+    "SELECT id, label, embedding, source, world FROM items "
+    "WHERE deleted_seq IS NULL AND label = {p} ORDER BY id"
+)
+SET_LABEL = "UPDATE items SET label = {p}, add_seq = {p} WHERE id = {p} AND deleted_seq IS NULL"
+RENAME_LABEL = (
+    "UPDATE items SET label = {p}, add_seq = {p} WHERE label = {p} AND deleted_seq IS NULL"
+)
+# a carry moving the target's copy of an item (only where the label differs: a resumed backfill
+# over items the target holds rewrites nothing)
+MOVE_LABEL = (
+    "UPDATE items SET label = {p}, add_seq = {p} "
+    "WHERE id = {p} AND deleted_seq IS NULL AND label <> {p}"
+)
+HAS_LABEL = "SELECT 1 FROM items WHERE label = {p} AND deleted_seq IS NULL LIMIT 1"
 
 # ---------------------------------------------------------------------------------- tombstones
 # kind 'label' (name: the label) or 'trained' (name: the JSON [dataset, dataset_index])
@@ -94,10 +116,42 @@ UPSERT_TOMBSTONE = (
     "ON CONFLICT (kind, name) DO UPDATE SET seq = excluded.seq"
 )
 TOMBSTONES = "SELECT kind, name, seq FROM tombstones"
+# what happened to trained items, in order: a label's (a delete: new NULL; a rename, a merge),
+# a trained image's (a relabel, by [dataset, dataset_index]); a carry applies them to the
+# target's trained items whichever images its index holds (store/carry.py)
+INSERT_LABEL_CHANGE = "INSERT INTO label_changes (seq, kind, name, new) VALUES ({p}, {p}, {p}, {p})"
+LABEL_CHANGES_AFTER = (
+    "SELECT seq, kind, name, new FROM label_changes WHERE seq > {p} ORDER BY seq, kind, name"
+)
 TOMBSTONES_AFTER = "SELECT kind, name, seq FROM tombstones WHERE seq > {p}"
+# trained items whose label a correction changed (add_seq > 0: a trained row is written by
+# the index build with 0, and only a relabel moves it)
+RELABELLED_TRAINED = (
+    "SELECT metadata, label FROM items "
+    "WHERE source = 'trained' AND deleted_seq IS NULL AND add_seq > 0"
+)
 LIVE_TRAINED_OF_LABEL = (
     "SELECT id FROM items WHERE source = 'trained' AND deleted_seq IS NULL AND label = {p}"
 )
+
+# ---------------------------------------------------------------------------------- review queue
+INSERT_REVIEW = (
+    "INSERT INTO review (id, created_at, embedding, world, thumbnail, image, image_type, "
+    "answer, nearest, margin, reason, bytes) VALUES (" + ", ".join(["{p}"] * 12) + ")"
+)
+REVIEW_ROWS = (
+    "SELECT id, created_at, embedding, world, answer, nearest, margin, reason, "
+    "thumbnail IS NOT NULL FROM review ORDER BY created_at DESC, id LIMIT {p}"
+)
+REVIEW_OF_IDS = (
+    "SELECT id, created_at, embedding, world, answer, nearest, margin, reason, "
+    "thumbnail IS NOT NULL, thumbnail, image, image_type FROM review WHERE id IN ({ids})"
+)
+REVIEW_THUMBNAIL = "SELECT thumbnail FROM review WHERE id = {p}"
+REVIEW_TOTALS = "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM review"
+REVIEW_EXPIRED = "DELETE FROM review WHERE created_at < {p}"
+REVIEW_OLDEST = "SELECT id, bytes FROM review ORDER BY created_at, id LIMIT {p}"
+REVIEW_DELETE = "DELETE FROM review WHERE id IN ({ids})"
 
 # ---------------------------------------------------------------------------------- requests
 REQUEST = "SELECT digest, seq, outcome FROM requests WHERE key = {p}"

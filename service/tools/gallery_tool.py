@@ -8,6 +8,10 @@ operations (service/tools/gallery_ops.py).
     snca-gallery rollback | galleries                      # switch back; which is live
     snca-gallery backup OUT | verify OUT | restore OUT     # consistent copies, checksummed
     snca-gallery compact --keep 1000 | prune --keep 3      # the log's floor; previous/
+    snca-gallery relabel 17 18 --label Boots               # corrections: one write each
+    snca-gallery rename Trouser Pants | merge Sneaker Shoes
+    snca-gallery accept decisions.csv                      # rows id,label (service/tools/label_ops.py)
+    snca-gallery review-export OUT | review-name F | review-dismiss F   # the review queue
 
 Same flags and SNCA_ settings as snca-serve (--model, --index, --data-dir, --store, --device,
 --thumbnails), so it finds the very gallery the service serves. An import embeds the images
@@ -43,7 +47,7 @@ from pathlib import Path
 
 from embedding.cliutil import positive_int
 from embedding.errors import SNCAError
-from service.store.records import Keyed
+from service.store.records import Keyed, StoreUnavailable
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 EXT = {"image/png": "png", "image/jpeg": "jpg", "image/webp": "webp", "image/gif": "gif"}
@@ -183,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument(
             "--gallery", help="a gallery's gen (snca-gallery galleries; default: the live one)"
         )
+    from service.tools import label_ops, review_ops
+
+    label_ops.add_parsers(sub, _shared_flags)
+    review_ops.add_parsers(sub, _shared_flags)
     for x in (imp, exp, up, rb):
         x.add_argument(
             "--progress",
@@ -569,13 +577,14 @@ def main(argv: list[str] | None = None) -> int:
             return import_images(args)
         if args["cmd"] == "export":
             return export_items(args)
-        from service.tools.gallery_ops import COMMANDS
+        from service.tools import gallery_ops, label_ops, review_ops
 
-        return COMMANDS[args["cmd"]]({k.replace("-", "_"): v for k, v in args.items()})
+        commands = {**gallery_ops.COMMANDS, **label_ops.COMMANDS, **review_ops.COMMANDS}
+        return commands[args["cmd"]]({k.replace("-", "_"): v for k, v in args.items()})
     except ImportError as e:
         print(f"snca-gallery: error: {e} (pip install 'snca[serve]')", file=sys.stderr)
         return 2
-    except (SNCAError, OSError, ValueError, RuntimeError) as e:
+    except (SNCAError, OSError, ValueError, RuntimeError, StoreUnavailable) as e:
         print(f"snca-gallery: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

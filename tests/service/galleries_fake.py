@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from embedding.gallery import create_store
-from service.store.galleries import gen_of
+from service.store.galleries import alias, gen_of
 from service.store.postgres import PostgresStore
 from service.store.sqlite import SqliteStore
 from service.store.upgrade import Galleries, To, open_galleries, run
@@ -114,3 +114,23 @@ def closing(g: Galleries):
     finally:
         g.close()
         g.home.close()
+
+
+def live_added(place: Place, gen_: str | None = None) -> dict[int, str]:
+    with closing(place.galleries()) as g:
+        a = alias(g.home)
+        s = g.open(gen_ or (a["gen"] if a else gen(0)))
+        rows = s._select(
+            "SELECT id, label FROM items WHERE source = 'added' AND deleted_seq IS NULL"
+        )
+        return dict(rows)
+
+
+def add(place: Place, gen_: str, label: str, n: int, start: int) -> list[int]:
+    """n adds of one image each on the gallery `gen_` (as its server would); the ids."""
+    with closing(place.galleries()) as g:
+        s, ids = g.open(gen_), []
+        for i in range(start, start + n):
+            b = image(i)
+            ids += s.add(label, [embedding(b)], [None], [(b, "image/png")])[1]
+        return ids

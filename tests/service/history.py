@@ -4,7 +4,9 @@ Anchors: Jepsen's history checking (Elle), FoundationDB's simulation, TigerBeetl
 
     clients (threads)   add (with an Idempotency-Key), delete an item, read, through whichever
                         server answers; a label of their own they delete whole at the end of
-                        its life; one trained label deleted once
+                        its life; corrections (issue 43): relabel an item, rename a label of
+                        theirs, merge one into another; one trained label deleted once, one
+                        renamed once, one trained image relabelled once
     nemesis (a thread)  the day-two commands as users run them (`snca-gallery upgrade --to X
                         [--switch]`, `rollback`, `backup` + verify, `compact`, `import`), each
                         maybe killed with SIGKILL at a random moment; servers killed (-9) and
@@ -17,8 +19,10 @@ At the end the faults stop, a killed command is run again (what docs/operations.
 add whose outcome is unknown is retried with its key (answered with its first outcome, or made
 now), and the live gallery is read from its store:
 - a live gallery exists and is the only one that takes writes (also sampled during the run);
-- every acknowledged add is there exactly once with its label, unless a delete of it (of the
-  item, or of its label) was sent after it was acknowledged and not refused;
+- every acknowledged add is there exactly once, with the label its history gives it: the
+  acknowledged deletes, relabels, renames and merges that touched it, in the order a client
+  made them, and any of those whose answer was lost applied at any later moment, or never
+  (`possible`);
 - no acknowledged delete is undone, no item nobody added is there, an id is one item;
 - every backup held each add acknowledged before it started; an import that exited 0 is there;
 - the servers of the live model end at the store's head with equal gallery checksums.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import random
 import signal
@@ -51,16 +56,20 @@ FAST = {"SNCA_FUSED_BATCHES": "0", "SNCA_MAX_BATCH": "8", "SNCA_WARMUP_SECONDS":
 # servers: a short model timeout (a stopped model process is given up on quickly), writes
 # answered at once when a version is not applied
 SERVER_ENV = {**FAST, "SNCA_MODEL_TIMEOUT_S": "4", "SNCA_SNAPSHOT_EVERY": "50"}
+# the review queue on, every classified query kept: a client names some (issue 43's write path)
+SERVER_ENV |= {"SNCA_REVIEW_QUEUE": "1", "SNCA_REVIEW_MARGIN": "1.0"}
 TRAINED_VICTIM = "Sandal"  # the trained label a client deletes once
+TRAINED_RENAMED = "Ankle boot"  # the trained label a client renames once
+TRAINED_RELABELLED = "Coat"  # the label of the trained image a client relabels once
 
 
 @dataclass
 class Op:
     """One client operation as the client saw it."""
 
-    kind: str  # add | delete | delete_label | import
+    kind: str  # add | name | delete | delete_label | relabel | rename | merge | import
     key: str | None
-    label: str | None
+    label: str | None  # (relabel: the new label; rename, merge: the label renamed)
     sent: float
     done: float = 0.0
     outcome: str = "pending"  # ok | failed | unknown | absent (a delete of nothing)
@@ -68,6 +77,9 @@ class Op:
     image: int | None = None  # (adds) the first training image's index, to retry it
     count: int = 1  # (adds) images, from `image` on
     detail: str = ""
+    to: str | None = None  # (rename, merge) the label it becomes
+    dataset_index: int | None = None  # (a trained image's relabel) which image
+    queued: list[int] = field(default_factory=list)  # (name) the queued queries named
 
 
 class Journal:
@@ -221,6 +233,8 @@ class Client(threading.Thread):
         self.stop = threading.Event()
         self.mine: dict[int, str] = {}  # acknowledged, not deleted by me
         self.round = 0
+        self.fresh = 0  # labels made by renames
+        self.trained_fixes = 2 if trained else 0  # a trained label renamed, an image relabelled
 
     def label(self) -> str:
         return f"c{self.n}-r{self.round}-{self.rng.randrange(2)}"
@@ -237,13 +251,21 @@ class Client(threading.Thread):
                 if self.trained and r < 0.02:
                     self.delete_label(http, url, TRAINED_VICTIM)
                     self.trained = False
+                elif self.trained_fixes and r < 0.04:
+                    self.trained_fix(http, url)
                 elif r < 0.06 and self.mine:
                     self.delete_label(http, url, f"c{self.n}-r{self.round}-0")
                     self.round += 1
-                elif r < 0.25 and self.mine:
+                elif r < 0.22 and self.mine:
                     self.delete(http, url, self.rng.choice(sorted(self.mine)))
-                elif r < 0.35:
+                elif r < 0.30:
                     self.read(http, url)
+                elif r < 0.38 and self.mine:
+                    self.relabel(http, url, self.rng.choice(sorted(self.mine)))
+                elif r < 0.42 and self.mine:
+                    self.rename(http, url)
+                elif r < 0.47:
+                    self.name(http, url)
                 else:
                     self.add(http, url)
 
@@ -323,6 +345,144 @@ class Client(threading.Thread):
             return
         if r.status_code == 200:
             op.outcome, op.ids = "ok", r.json()["deleted"]
+        elif r.status_code == 404:
+            op.outcome = "absent"
+        else:
+            self._refused(op, r)
+
+    def name(self, http: httpx.Client, url: str) -> None:
+        """A few queued queries (from GET /review) named with a label of mine: they become
+        items, acknowledged like an add."""
+        try:
+            groups = http.get(url + "/review", params={"limit": 20, "sample": 1}).json()["groups"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return
+        if not groups:
+            return
+        ids = self.rng.choice(groups)["ids"][:3]
+        label = self.label()
+        op = self.journal.add(Op("name", uuid.uuid4().hex, label, time.monotonic()))
+        op.queued = ids
+        r = self._send(
+            op,
+            lambda: http.post(
+                url + "/review/name",
+                json={"ids": ids, "label": label},
+                headers={"Idempotency-Key": op.key},
+            ),
+        )
+        if r is None:
+            return
+        if r.status_code == 201:
+            op.outcome, op.ids = "ok", r.json()["ids"]
+            self.mine.update({x: label for x in op.ids})
+        elif r.status_code == 404:
+            op.outcome = "absent"  # (named by another client first, or dismissed by a bound)
+        else:
+            self._refused(op, r)
+
+    def relabel(self, http: httpx.Client, url: str, item: int) -> None:
+        """One of my items to another label of mine (of this round, or one a rename made)."""
+        to = self.rng.choice(
+            [self.label(), f"c{self.n}-r{self.round}-{self.rng.randrange(2)}"]
+            + [lab for lab in set(self.mine.values()) if "-m" in lab]
+        )
+        op = self.journal.add(Op("relabel", uuid.uuid4().hex, to, time.monotonic(), ids=[item]))
+        r = self._send(
+            op,
+            lambda: http.patch(
+                f"{url}/gallery/items/{item}",
+                json={"label": to},
+                headers={"Idempotency-Key": op.key},
+            ),
+        )
+        if r is None:
+            self.mine.pop(item, None)  # (maybe moved: never touched again, checked at the end)
+            return
+        if r.status_code == 200:
+            op.outcome = "ok"
+            self.mine[item] = to
+        elif r.status_code == 404:
+            op.outcome = "absent"
+            self.mine.pop(item, None)
+        else:
+            self._refused(op, r)
+            if op.outcome == "unknown":
+                self.mine.pop(item, None)
+
+    def rename(self, http: httpx.Client, url: str) -> None:
+        """A label of mine renamed to a new one, or merged into another of mine."""
+        old = self.rng.choice(sorted(set(self.mine.values())))
+        others = sorted(set(self.mine.values()) - {old})
+        merge = bool(others) and self.rng.random() < 0.5
+        if merge:
+            to = self.rng.choice(others)
+        else:
+            self.fresh += 1
+            to = f"c{self.n}-m{self.fresh}"
+        kind = "merge" if merge else "rename"
+        op = self.journal.add(Op(kind, uuid.uuid4().hex, old, time.monotonic(), to=to))
+        body = {"into": to} if merge else {"to": to}
+        r = self._send(
+            op,
+            lambda: http.post(
+                f"{url}/gallery/labels/{old}/{kind}",
+                json=body,
+                headers={"Idempotency-Key": op.key},
+            ),
+        )
+        if r is not None and r.status_code == 200:
+            op.outcome = "ok"
+            self.mine = {i: (to if lab == old else lab) for i, lab in self.mine.items()}
+            return
+        if r is not None and r.status_code == 404:
+            op.outcome = "absent"  # (an earlier unknown write moved or deleted them all)
+        elif r is not None:
+            self._refused(op, r)
+        if op.outcome != "failed":  # (maybe renamed: never touched again, checked at the end)
+            self.mine = {i: lab for i, lab in self.mine.items() if lab not in (old, to)}
+
+    def trained_fix(self, http: httpx.Client, url: str) -> None:
+        """Once each: TRAINED_RENAMED renamed, one trained image of TRAINED_RELABELLED
+        relabelled (found by its dataset index in whichever gallery is live at the end)."""
+        self.trained_fixes -= 1
+        if self.trained_fixes == 1:
+            to = f"c{self.n}-boots"
+            op = self.journal.add(
+                Op("rename", uuid.uuid4().hex, TRAINED_RENAMED, time.monotonic(), to=to)
+            )
+            r = self._send(
+                op,
+                lambda: http.post(
+                    f"{url}/gallery/labels/{TRAINED_RENAMED}/rename",
+                    json={"to": to},
+                    headers={"Idempotency-Key": op.key},
+                ),
+            )
+        else:
+            try:
+                page = http.get(
+                    url + "/gallery/items", params={"label": TRAINED_RELABELLED, "limit": 1}
+                ).json()["items"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                return
+            if not page or page[0]["source"] != "trained":
+                return
+            item, to = page[0]["id"], f"c{self.n}-coat"
+            op = self.journal.add(Op("relabel", uuid.uuid4().hex, to, time.monotonic()))
+            op.dataset_index = int(page[0]["metadata"]["dataset_index"])
+            r = self._send(
+                op,
+                lambda: http.patch(
+                    f"{url}/gallery/items/{item}",
+                    json={"label": to},
+                    headers={"Idempotency-Key": op.key},
+                ),
+            )
+        if r is None:
+            return
+        if r.status_code == 200:
+            op.outcome = "ok"
         elif r.status_code == 404:
             op.outcome = "absent"
         else:
@@ -553,70 +713,145 @@ class Nemesis(threading.Thread):
         c.stopped.discard(pid)
 
 
+GONE = None  # an item's state once deleted
+
+
+def _moves(op: Op, item: int | None = None) -> bool:
+    """Whether `op` may change the added item `item` (by id) or, item None, any item."""
+    if op.kind in ("delete", "relabel"):
+        return item is None or item in op.ids
+    return op.kind in ("delete_label", "rename", "merge")
+
+
+def _apply(op: Op, state: str | None) -> str | None:
+    """An item's label (GONE: deleted) after `op` took effect, if `op` touches it (_moves)."""
+    if state is GONE:
+        return GONE
+    if op.kind == "delete":
+        return GONE
+    if op.kind == "delete_label":
+        return GONE if state == op.label else state
+    if op.kind == "relabel":
+        return op.label
+    return op.to if state == op.label else state  # rename, merge
+
+
+def possible(add: Op, item: int, ops: list[Op], lo: float, hi: float) -> set[str | None]:
+    """The labels (GONE: deleted) the added item `item` may have at a moment between `lo` and
+    `hi`: the writes that touch it answered before `lo` (after `add` was acknowledged) in the
+    order sent; any other sent before `hi` (its answer lost, or still running at `lo`, or sent
+    while `add` was not yet acknowledged) applied at any later point, or never. A client makes
+    its writes one at a time and only on its own labels, so `sent` orders each item's
+    certain writes."""
+    client = add.label.split("-")[0] + "-"  # (a client's labels: c<n>-...; only it moves them)
+    mine = sorted(
+        (
+            o
+            for o in ops
+            if _moves(o, item) and o.sent < hi and (o.ids or o.label.startswith(client))
+        ),
+        key=lambda o: o.sent,
+    )
+
+    def closure(states: set, pending: list[Op]) -> set:
+        """`states` with any pending write applied, any number of times, in any order (a
+        superset of what can happen: each lands at most once; the set stays small)."""
+        out, todo = set(states), list(states)
+        while todo:
+            s = todo.pop()
+            for o in pending:
+                nxt = _apply(o, s)
+                if nxt not in out:
+                    out.add(nxt)
+                    todo.append(nxt)
+        return out
+
+    states, pending = {add.label}, []
+    for o in mine:
+        if o.outcome == "failed" or (o.sent < add.sent and o.outcome != "unknown"):
+            continue  # (refused; or answered before the add was sent: not about this item)
+        if o.outcome in ("ok", "absent") and o.sent > add.done and o.done < lo:
+            states = {_apply(o, s) for s in states}
+        else:
+            pending.append(o)
+        states = closure(states, pending)
+    return states
+
+
 def backup_holds(path: Path, ops: list[Op], started: float, ended: float) -> list[str]:
-    """Adds acknowledged before the backup started that it lacks (id, label), unless a delete
-    of them was sent before it ended: its read is at one point between the two, and a delete
-    committed before that point is rightly absent (a delete sent after the start once counted
-    as a loss). (A deleted item may have no row at all in the backup: the live gallery may
-    have been carried from another after the delete, and a carry copies live items only.)"""
+    """Adds acknowledged before the backup started that it lacks, or holds under a label their
+    history cannot give them at any point between its start and its end (its read is at one
+    point between the two). (A deleted item may have no row at all in the backup: the live
+    gallery may have been carried from another after the delete, and a carry copies live
+    items only.)"""
     conn = sqlite3.connect(f"file:{path / 'gallery.sqlite'}?mode=ro", uri=True)
     try:
-        rows = dict(conn.execute("SELECT id, label FROM items WHERE source = 'added'").fetchall())
+        rows = dict(
+            conn.execute(
+                "SELECT id, label FROM items WHERE source = 'added' AND deleted_seq IS NULL"
+            ).fetchall()
+        )
     finally:
         conn.close()
-    gone = {i for o in ops if o.kind == "delete" and o.sent < ended for i in o.ids}
-    label_gone = [o for o in ops if o.kind == "delete_label" and o.sent < ended]
     bad = []
     for op in ops:
-        if op.kind == "add" and op.outcome == "ok" and op.done < started:
-            if any(d.label == op.label and d.sent >= op.sent for d in label_gone):
-                continue
+        if op.kind in ("add", "name") and op.outcome == "ok" and op.done < started:
             for i in op.ids:
-                if i not in gone and rows.get(i) != op.label:
-                    bad.append(f"add {i} ({op.label}) acknowledged before the backup: not in it")
+                can = possible(op, i, ops, started, ended)
+                if rows.get(i) not in can:
+                    bad.append(
+                        f"add {i} ({op.label}) acknowledged before the backup: "
+                        f"{rows.get(i, 'missing')} in it, its history says one of {sorted(map(str, can))}"
+                    )
     return bad
 
 
 def check(
-    journal: Journal, live: dict[int, tuple[str, str]], trained_live: set[str], imports
+    journal: Journal,
+    live: dict[int, tuple[str, str]],
+    trained_live: dict[int, str],
+    imports,
 ) -> list[str]:
     """The final state against the history: `live` (id -> (label, metadata)) the live
-    gallery's added items, `trained_live` the labels of its live trained items."""
+    gallery's added items, `trained_live` (dataset index -> label) its live trained items."""
     ops = journal.ops
     bad = list(journal.checks)
-    deletes = [o for o in ops if o.kind == "delete" and o.outcome in ("ok", "unknown", "absent")]
-    label_deletes = [o for o in ops if o.kind == "delete_label" and o.outcome != "failed"]
+    inf = float("inf")
     seen: dict[int, str] = {}
     for op in ops:
-        if op.kind != "add" or op.outcome != "ok":
+        if op.kind not in ("add", "name") or op.outcome != "ok":
             continue
         for i in op.ids:
             if seen.setdefault(i, op.label) != op.label:
                 bad.append(f"id {i} acknowledged for {seen[i]!r} and for {op.label!r}")
-            # may it be gone? a delete of it, or of its label, sent after it was acknowledged
-            # (or, unknown, any time after it was sent)
-            maybe_gone = any(i in d.ids for d in deletes) or any(
-                d.label == op.label and d.sent >= op.sent for d in label_deletes
-            )
-            must_be_gone = any(i in d.ids and d.outcome == "ok" for d in deletes) or any(
-                d.label == op.label and d.outcome == "ok" and d.sent > op.done
-                for d in label_deletes
-            )
-            if must_be_gone and i in live:
-                bad.append(f"item {i} ({op.label}) is back after an acknowledged delete")
-            elif not maybe_gone and live.get(i, (None,))[0] != op.label:
-                refused = [d.detail for d in ops if d.kind == "delete" and i in d.ids]
-                why = f" (a delete of it was answered {refused})" if refused else ""
-                got = live.get(i, ("missing",))[0]
-                bad.append(f"acknowledged add {i} ({op.label}) is {got}{why}")
+            can = possible(op, i, ops, inf, inf)
+            got = live.get(i, (GONE,))[0]
+            if got not in can:
+                said = [
+                    f"{o.kind} {o.outcome} {o.detail}" for o in ops if _moves(o, i) and i in o.ids
+                ]
+                bad.append(
+                    f"acknowledged add {i} ({op.label}) is {got or 'missing'}; its history "
+                    f"says one of {sorted(map(str, can))} {said}"
+                )
     journaled = set(seen)
     for i, (label, _) in live.items():
         if i in journaled or label.startswith("imported-"):
             continue
         bad.append(f"item {i} ({label}) was never acknowledged to anyone")
-    for op in label_deletes:
-        if op.label == TRAINED_VICTIM and op.outcome == "ok" and TRAINED_VICTIM in trained_live:
+    labels = set(trained_live.values())
+    for op in ops:
+        ok = op.outcome == "ok"
+        victim = ok and op.kind == "delete_label" and op.label == TRAINED_VICTIM
+        if victim and TRAINED_VICTIM in labels:
             bad.append(f"the deleted trained label {TRAINED_VICTIM} is live again")
+        renamed = ok and op.kind == "rename" and op.label == TRAINED_RENAMED
+        if renamed and (TRAINED_RENAMED in labels or op.to not in labels):
+            bad.append(f"the trained label {TRAINED_RENAMED} renamed {op.to}: not so")
+        if op.kind == "relabel" and op.dataset_index is not None and op.outcome == "ok":
+            got = trained_live.get(op.dataset_index)
+            if got != op.label:
+                bad.append(f"trained image {op.dataset_index} relabelled {op.label}: it is {got}")
     counts = Counter(lab for lab, _ in live.values())
     for label, n, outcome, _ in imports:
         if outcome in ("ok", "rerun") and counts.get(label, 0) != n:
@@ -644,9 +879,9 @@ def stores_intact(cluster: Cluster, gen: str) -> list[str]:
     return bad
 
 
-def read_live(cluster: Cluster) -> tuple[dict[int, tuple[str, str]], set[str], str]:
-    """(id -> (label, metadata) of live added items, labels of live trained items, gen) of
-    the live gallery, read from its store."""
+def read_live(cluster: Cluster) -> tuple[dict[int, tuple[str, str]], dict[int, str], str]:
+    """(id -> (label, metadata) of live added items, dataset index -> label of live trained
+    items, gen) of the live gallery, read from its store."""
     from service.store.registry import open_as_found
 
     g = cluster.galleries()
@@ -657,7 +892,8 @@ def read_live(cluster: Cluster) -> tuple[dict[int, tuple[str, str]], set[str], s
     finally:
         s.close()
     added = {r[0]: (r[1], r[3]) for r in rows if r[2] == "added"}
-    return added, {r[1] for r in rows if r[2] == "trained"}, live
+    trained = {json.loads(r[3])["dataset_index"]: r[1] for r in rows if r[2] == "trained"}
+    return added, trained, live
 
 
 def summary(journal: Journal, nemesis: Nemesis) -> str:

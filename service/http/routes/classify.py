@@ -208,12 +208,15 @@ async def read_uploads(request: Request, field: str, max_files: int) -> list[byt
 
 
 async def answers(
-    state: ServiceState, prepared: list, query: VoteQuery, tpr: float | None
+    state: ServiceState, prepared: list, query: VoteQuery, tpr: float | None, review=None
 ) -> list[dict]:
     """Classify prepared uploads (by the model thread or the model process: runtime.answers)
     -> ClassifyResult dicts, in order, with the metrics counted and the neighbours' thumbnail
-    URLs when asked; `tpr`: the open-set acceptance rate (None: unknown=off)."""
+    URLs when asked; `tpr`: the open-set acceptance rate (None: unknown=off). `review`: the
+    review queue (service/review/), handed the answers it keeps."""
     got = await state.runtime.answers(prepared, query, tpr)
+    if review is not None and query.labels is None:  # (a filtered vote is no verdict on it)
+        review.offer(got, prepared)
     vote_name, k, neighbors = query.vote, query.k, query.neighbors
     state.metrics.classified.labels(vote_name).inc(len(got))
     out = [result(state, a, vote_name, k, neighbors, tpr) for a in got]
@@ -247,7 +250,8 @@ async def classify(request: Request):
     """Classify one image by its neighbours in the gallery"""
     state, query, tpr = read_query(request)
     data = await read_uploads(request, "image", 1)
-    (r,) = await answers(state, await state.runtime.prepare_async(data, ["image"]), query, tpr)
+    prepared = await state.runtime.prepare_async(data, ["image"])
+    (r,) = await answers(state, prepared, query, tpr, request.app.state.review)
     return JSONResponse(r)
 
 
@@ -259,4 +263,5 @@ async def classify_batch(request: Request):
     datas = await read_uploads(request, "images", limit)
     names = [f"images[{i}]" for i in range(len(datas))]
     prepared = await state.runtime.prepare_async(datas, names)
-    return JSONResponse({"results": await answers(state, prepared, query, tpr)})
+    review = request.app.state.review
+    return JSONResponse({"results": await answers(state, prepared, query, tpr, review)})

@@ -174,6 +174,24 @@ async def _replay(state, keyed: Keyed, digest: str, seq: int, outcome: dict, op:
     await state.runtime.sync(seq)
 
 
+async def keyed_write(request: Request, state, op: str, asked: tuple, write):
+    """A write under the request's Idempotency-Key (if any): `write(keyed)` in a worker thread
+    unless the key was used; (its result, None), or (None, (seq, outcome)) for a key used
+    before by this very request (its first write applied where the model votes: _replay;
+    422 for another request's key). `asked`: what the request asked (the key's digest)."""
+    keyed = idempotency_key(request, state.settings.idempotency_ttl_s, op, *asked)
+    found = None
+    if keyed is not None:
+        found = await run_in_threadpool(state.store.request, keyed.key)
+    if found is None:
+        try:
+            return await run_in_threadpool(write, keyed), None
+        except Replayed as e:
+            found = (keyed.digest if e.same else "", e.seq, e.outcome)
+    await _replay(state, keyed, *found, op)
+    return None, found[1:]
+
+
 async def _added_before(state, keyed: Keyed, digest: str, seq: int, outcome: dict):
     await _replay(state, keyed, digest, seq, outcome, "add")
     ids, label = outcome["ids"], outcome["label"]
@@ -315,25 +333,19 @@ async def _delete(
     """Delete the live items among `ids`, or of `label`, as the store has them (a replica
     that has not applied an add yet still deletes it); 404 `code` naming `what` when none.
     With an Idempotency-Key, a retry of a delete that was made is answered as it was."""
-    asked = ("delete", "label", label) if label is not None else ("delete", "ids", str(ids))
-    keyed = idempotency_key(request, state.settings.idempotency_ttl_s, *asked)
-    found = None
-    if keyed is not None:
-        found = await run_in_threadpool(state.store.request, keyed.key)
-    if found is None:
-        try:
-            rows, seq = await run_in_threadpool(state.delete, ids, label, keyed)
-        except Replayed as e:
-            found = (keyed.digest if e.same else "", e.seq, e.outcome)
+    asked = ("label", label) if label is not None else ("ids", str(ids))
+    done, found = await keyed_write(
+        request, state, "delete", asked, lambda keyed: state.delete(ids, label, keyed)
+    )
     if found is not None:
-        await _replay(state, keyed, *found, "delete")
-        _, seq, outcome = found
+        seq, outcome = found
         out = DeleteResult(
             deleted=sorted(r[0] for r in outcome["rows"]),
             label=outcome["label"] or outcome["rows"][0][1],
             gallery_version=seq,
         )
         return JSONResponse(out.model_dump(), headers={REPLAYED: "true"})
+    rows, seq = done
     if not rows:
         raise Problem(404, code, f"no {what} in the gallery")
     await state.runtime.sync(seq)  # acknowledged once the model votes without them

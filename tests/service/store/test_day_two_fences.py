@@ -21,15 +21,7 @@ from service.store.galleries import alias
 from service.store.records import STANDBY, Keyed, StoreUnavailable
 from service.store.upgrade import settle
 
-from ..galleries_fake import Place, closing, embedding, gen, image
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def place(request):
-    pg = request.getfixturevalue("postgres") if request.param == "postgresql" else None
-    p = Place(request.param, pg)
-    yield p
-    p.close()
+from ..galleries_fake import Place, add, closing, embedding, gen, image, live_added
 
 
 def writable(place: Place) -> list[str]:
@@ -38,26 +30,6 @@ def writable(place: Place) -> list[str]:
 
         gens = {gen(0), *registry(g.home)}
         return sorted(x for x in gens if g.exists(x) and STANDBY not in g.open(x).meta())
-
-
-def live_added(place: Place, gen_: str | None = None) -> dict[int, str]:
-    with closing(place.galleries()) as g:
-        a = alias(g.home)
-        s = g.open(gen_ or (a["gen"] if a else gen(0)))
-        rows = s._select(
-            "SELECT id, label FROM items WHERE source = 'added' AND deleted_seq IS NULL"
-        )
-        return dict(rows)
-
-
-def add(place: Place, gen_: str, label: str, n: int, start: int) -> list[int]:
-    """n adds of one image each on the gallery `gen_` (as its server would); the ids."""
-    with closing(place.galleries()) as g:
-        s, ids = g.open(gen_), []
-        for i in range(start, start + n):
-            b = image(i)
-            ids += s.add(label, [embedding(b)], [None], [(b, "image/png")])[1]
-        return ids
 
 
 def delete(place: Place, gen_: str, ids=None, label=None) -> int:
@@ -271,7 +243,7 @@ def _lose_home(place: Place) -> None:
     import psycopg
 
     with psycopg.connect(place.home, autocommit=True) as c:
-        for t in ("items", "log", "meta", "tombstones", "requests"):
+        for t in ("items", "log", "meta", "tombstones", "label_changes", "review", "requests"):
             c.execute(f"DROP TABLE {t}")
 
 

@@ -5,6 +5,7 @@ answers differently from the other fails here, whatever its SQL."""
 from __future__ import annotations
 
 import inspect
+import json
 import threading
 
 import numpy as np
@@ -73,7 +74,8 @@ def test_the_registry_picks_the_backend_by_target(tmp_path):
 def test_both_backends_create_the_same_tables():
     for dialect in ("sqlite", "postgresql"):
         names = [s.split()[2] for s in schema_statements(dialect) if s.startswith("CREATE TABLE")]
-        assert names == ["meta", "items", "log", "tombstones", "requests"], dialect
+        want = ["meta", "items", "log", "tombstones", "label_changes", "review", "requests"]
+        assert names == want, dialect
 
 
 def test_a_store_of_schema_5_gets_the_new_tables_and_keeps_its_writes(store, seed):
@@ -92,11 +94,33 @@ def test_a_store_of_schema_5_gets_the_new_tables_and_keeps_its_writes(store, see
     store.close()
     again = cls(target, seed, FP, INDEX)
     try:
-        assert again.meta()["schema_version"] == "6"
+        assert again.meta()["schema_version"] == "7"
         assert again._select("SELECT COUNT(*) FROM tombstones")[0][0] == 0
         assert [i.id for i in again.live_items() if i.source == "added"] == ids
         assert again.delete(label="x")[0] > seq  # and writes tombstones now
         assert again._select("SELECT kind, name FROM tombstones") == [("label", "x")]
+    finally:
+        again.close()
+
+
+def test_a_store_of_schema_6_gets_its_label_deletes_as_label_changes(store, seed):
+    """Schema 7 added label_changes (a label's deletes and renames, in order, for a carry): a
+    store written before gets the table, filled from its label tombstones, on both backends."""
+    store.add("x", vecs(1), [None], [None])
+    dseq, _ = store.delete(label="x")
+
+    def older(conn):
+        conn.execute("DROP TABLE label_changes")
+        conn.execute(store.dialect.q(sql.SET_META), ("6", "schema_version"))
+
+    store.plain(older)
+    cls, target = type(store), store.url if isinstance(store, SqliteStore) else store._dsn
+    store.close()
+    again = cls(target, seed, FP, INDEX)
+    try:
+        assert again.meta()["schema_version"] == "7"
+        got = again._select("SELECT seq, kind, name, new FROM label_changes")
+        assert got == [(dseq, "label", "x", None)]
     finally:
         again.close()
 
@@ -304,8 +328,93 @@ def test_a_server_opening_a_store_another_holds_waits_for_it(seed, tmp_path):
     released.start()
     try:
         s = SqliteStore(path, seed, FP, INDEX)
-        assert s.meta()["schema_version"] == "6" and len(s.live_items()) == 5
+        assert s.meta()["schema_version"] == "7" and len(s.live_items()) == 5
         s.close()
     finally:
         released.join()
         holder.close()
+
+
+def test_corrections_move_labels_in_place_and_the_log_brings_them(store):
+    """Relabel, rename and merge (issue 43): one write each, items keep their ids, the rows
+    move to the correction's seq so a follower's read of the log brings them; a rename onto a
+    label with items and a merge into one without are refused with nothing written."""
+    from service.store.records import Keyed, LabelConflict, Replayed
+
+    seq, ids = store.add("c", vecs(3), [None] * 3, [None] * 3)
+    seq2, moved = store.relabel([ids[0], 1, 999], "d", Keyed("k1", "x"))
+    assert seq2 == seq + 1 and [m.id for m in moved] == [1, ids[0]]
+    assert {m.id: (m.old, m.source) for m in moved} == {1: ("a", "trained"), ids[0]: ("c", "added")}
+    assert np.allclose(moved[1].embedding, vecs(3)[0], atol=1e-6)
+    assert store.relabel([ids[0]], "d") == (0, [])  # already there: nothing written
+    with pytest.raises(Replayed):
+        store.relabel([ids[1]], "d", Keyed("k1", "x"))
+    cs = store.changes_after(seq)
+    [c] = cs.changes
+    assert (c.seq, c.op, c.label, sorted(c.ids)) == (seq2, "add", "d", [1, ids[0]])
+    assert sorted(c.sources) == ["added", "trained"]
+    with pytest.raises(LabelConflict) as e:
+        store.rename("c", "d")
+    assert e.value.code == "label_exists"
+    with pytest.raises(LabelConflict) as e:
+        store.rename("c", "nobody", merge=True)
+    assert e.value.code == "label_unknown"
+    assert store.last_seq() == seq2  # (both refused: rolled back)
+    seq3, moved = store.rename("c", "e")
+    assert sorted(m.id for m in moved) == ids[1:] and store.rename("c", "f") == (0, [])
+    seq4, moved = store.rename("e", "d", merge=True)
+    rows = store.item_rows(-1, 100)
+    assert {r.id: r.label for r in rows if r.label == "d"} == {1: "d", **{i: "d" for i in ids}}
+    assert seq4 == seq3 + 1 and len(store.live_items()) == 5 + 3
+    changes = store._select("SELECT seq, kind, name, new FROM label_changes ORDER BY seq")
+    assert changes == [
+        (seq2, "trained", "[null, 1]", "d"),  # (the trained image, by its dataset index)
+        (seq3, "label", "c", "e"),
+        (seq4, "label", "e", "d"),
+    ]
+    # a delete after a relabel: the follower gets the item's delete, once
+    dseq, _ = store.delete([ids[0]])
+    [dc] = store.changes_after(seq4).changes
+    assert (dc.op, dc.ids) == ("delete", [ids[0]]) and dc.seq == dseq
+
+
+def test_the_review_queue_keeps_its_bounds_and_a_named_group_is_one_add(store):
+    """The review queue (issue 43) on both backends: bounded in rows and bytes (the oldest go
+    first), rows past the retention go, nothing of it is in the log; naming queued rows is one
+    add (in the log, followed) that takes them out of the queue, once."""
+    from service.store.records import Keyed, Queued, Replayed
+
+    def row(i, age_s=0.0, thumb=b"t" * 100):
+        import datetime as dt
+
+        at = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=age_s)
+        v = vecs(1, seed=i)[0]
+        return Queued(1000 + i, at.isoformat(timespec="seconds"), v, None, None, "a", 0.01,
+                      "unknown_score", thumbnail=thumb)  # fmt: skip
+
+    head = store.last_seq()
+    assert store.queue([row(i, age_s=100 - i) for i in range(5)], 10, 10**6, 3600) == 0
+    assert store.queue_totals() == (5, 5 * (4 * DIM + 100))
+    assert store.last_seq() == head  # (not a gallery write)
+    # bounded: 6 rows at most, the oldest go first; then a byte bound
+    assert store.queue([row(i, age_s=50 - i) for i in range(5, 9)], 6, 10**6, 3600) == 3
+    assert sorted(q.id for q in store.queued(100)) == [1003, 1004, 1005, 1006, 1007, 1008]
+    assert store.queue([], 100, 3 * (4 * DIM + 100), 3600) == 3
+    assert sorted(q.id for q in store.queued(100)) == [1006, 1007, 1008]
+    # retention: a row older than it goes at the next write
+    assert store.queue([row(20, age_s=7200)], 100, 10**6, 3600) == 1
+    assert store.queued_thumbnail(1006) == b"t" * 100 and store.queued_thumbnail(1) is None
+    # naming: one add, out of the queue, its vectors as queued
+    seq, ids, named = store.name_queued([1006, 1007, 999], "new", Keyed("n1", "d"))
+    assert seq == head + 1 and len(ids) == 2 and [q.id for q in named] == [1006, 1007]
+    [c] = store.changes_after(head).changes
+    assert (c.op, c.label, c.ids) == ("add", "new", ids)
+    assert np.allclose(c.embeddings[0], vecs(1, seed=6)[0], atol=1e-6)
+    assert [q.id for q in store.queued(100)] == [1008]
+    assert store.name_queued([1006], "new") == (0, [], [])  # named already: nothing written
+    with pytest.raises(Replayed):
+        store.name_queued([1008], "new", Keyed("n1", "d"))
+    items = store.stored_items(ids)
+    assert [json.loads(it.metadata)["review"]["answered"] for it in items] == [None, None]
+    assert all(it.thumbnail == b"t" * 100 and it.image is None for it in items)
+    assert store.dismiss([1008, 5]) == 1 and store.queue_totals() == (0, 0)

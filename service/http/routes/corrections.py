@@ -1,0 +1,184 @@
+"""Corrections (issue 43): PATCH /gallery/items/{id} (one item's label), POST /gallery/relabel
+(many items to one label), POST /gallery/labels/{label}/rename and /merge. Each is one durable
+write like an add: in the change log (every replica, the model process, an upgrade's carry
+follow it), answered once the model process votes with it, the open-set calibration of every
+touched label recomputed (service/gallery/gallery.py apply_relabel), an Idempotency-Key
+replayed, a write key needed where keys are set."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from service.gallery.labels import check_label, normalize_label
+from service.http.deps import GuardedRoute, StateDep, access
+from service.http.inputs import IDEMPOTENCY_PARAMETER
+from service.http.problems import Problem
+from service.http.routes.gallery import REPLAYED, ItemId, keyed_write
+from service.store.records import LabelConflict
+
+router = APIRouter(prefix="/gallery", tags=["gallery"], route_class=GuardedRoute)
+
+MAX_IDS = 1000  # items one relabel may name (one write; bounded time under the write lock)
+
+Label = Annotated[str, Field(min_length=1, max_length=1000, description="a label name")]
+
+
+class NewLabel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    label: Label
+
+
+class Relabel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] = Field(
+        min_length=1, max_length=MAX_IDS, description=f"1 to {MAX_IDS} item ids"
+    )
+    label: Label
+
+
+class Rename(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    to: Label
+
+
+class Merge(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    into: Label
+
+
+class Moved(BaseModel):
+    id: int
+    previous_label: str
+
+
+class RelabelResult(BaseModel):
+    relabelled: list[Moved] = Field(description="the items moved (those already there: none)")
+    label: str
+    gallery_version: int
+
+
+class RenameResult(BaseModel):
+    label: str = Field(description="the label the items have now")
+    previous_label: str
+    count: int = Field(description="items moved")
+    gallery_version: int
+
+
+def _label(state, raw: str) -> str:
+    return check_label(raw, state.settings.max_label_length)
+
+
+async def _relabel(request: Request, state, ids: list[int], label: str):
+    """Move the live items among `ids` to `label`: (moved [(id, before)], version, replayed)."""
+    asked = (label, str(sorted(set(ids))))
+    done, found = await keyed_write(
+        request, state, "relabel", asked, lambda keyed: state.relabel(ids, label, keyed)
+    )
+    if found is not None:
+        seq, outcome = found
+        return [(int(i), old) for i, old in outcome["rows"]], seq, True
+    moved, seq = done
+    if not moved:
+        live = await run_in_threadpool(state.store.items, ids)
+        if not live:
+            raise Problem(404, "item_unknown", f"no live item among {_ids(ids)}")
+        return [], state.gallery.version, False
+    await state.runtime.sync(seq)  # acknowledged once the model votes with it
+    return [(m.id, m.old) for m in moved], seq, False
+
+
+def _ids(ids: list[int]) -> str:
+    return ", ".join(map(str, ids[:10])) + (f" (and {len(ids) - 10} more)" if len(ids) > 10 else "")
+
+
+@router.patch(
+    "/items/{item_id}",
+    response_model=RelabelResult,
+    responses={404: {"description": "no such live item"}},
+    summary="Change one item's label (a correction: durable, in the change log)",
+    openapi_extra=access("write", parameters=[IDEMPOTENCY_PARAMETER]),
+)
+async def relabel_item(request: Request, state: StateDep, item_id: ItemId, body: NewLabel):
+    label = _label(state, body.label)
+    moved, seq, replayed = await _relabel(request, state, [item_id], label)
+    return _answer(
+        RelabelResult(relabelled=_moved(moved), label=label, gallery_version=seq), replayed
+    )
+
+
+@router.post(
+    "/relabel",
+    response_model=RelabelResult,
+    responses={404: {"description": "none of the items is live"}},
+    summary=f"Move up to {MAX_IDS} items to one label in one write (accepting suggestions)",
+    openapi_extra=access("write", parameters=[IDEMPOTENCY_PARAMETER]),
+)
+async def relabel(request: Request, state: StateDep, body: Relabel):
+    label = _label(state, body.label)
+    moved, seq, replayed = await _relabel(request, state, body.ids, label)
+    return _answer(
+        RelabelResult(relabelled=_moved(moved), label=label, gallery_version=seq), replayed
+    )
+
+
+def _moved(moved) -> list[Moved]:
+    return [Moved(id=i, previous_label=old) for i, old in moved]
+
+
+def _answer(out: BaseModel, replayed: bool):
+    return JSONResponse(out.model_dump(), headers={REPLAYED: "true"} if replayed else None)
+
+
+async def _rename(request: Request, state, old: str, new: str, merge: bool):
+    op = "merge" if merge else "rename"
+    if old == new:
+        raise Problem(422, "label_same", f"{old!r} is already called {new!r}: nothing to {op}")
+    try:
+        done, found = await keyed_write(
+            request, state, op, (old, new), lambda keyed: state.rename(old, new, merge, keyed)
+        )
+    except LabelConflict as e:
+        raise Problem(409 if e.code == "label_exists" else 404, e.code, str(e)) from None
+    if found is not None:
+        seq, outcome = found
+        out = RenameResult(
+            label=new, previous_label=old, count=outcome["count"], gallery_version=seq
+        )
+        return _answer(out, True)
+    moved, seq = done
+    if not moved:
+        raise Problem(404, "label_unknown", f"no live items with label {old!r}")
+    await state.runtime.sync(seq)
+    return RenameResult(label=new, previous_label=old, count=len(moved), gallery_version=seq)
+
+
+@router.post(
+    "/labels/{label:path}/rename",
+    response_model=RenameResult,
+    responses={
+        404: {"description": "the label has no live items"},
+        409: {"description": "the new name has items already (merge instead)"},
+    },
+    summary="Rename a label (every item moves; another model's index follows on upgrade)",
+    openapi_extra=access("write", parameters=[IDEMPOTENCY_PARAMETER]),
+)
+async def rename(request: Request, state: StateDep, label: str, body: Rename):
+    old, new = normalize_label(label), _label(state, body.to)
+    return await _rename(request, state, old, new, merge=False)
+
+
+@router.post(
+    "/labels/{label:path}/merge",
+    response_model=RenameResult,
+    responses={404: {"description": "either label has no live items"}},
+    summary="Merge a label into another that has items (every item moves to it)",
+    openapi_extra=access("write", parameters=[IDEMPOTENCY_PARAMETER]),
+)
+async def merge(request: Request, state: StateDep, label: str, body: Merge):
+    old, new = normalize_label(label), _label(state, body.into)
+    return await _rename(request, state, old, new, merge=True)
