@@ -67,9 +67,14 @@ function cell(item) {
   div.append(ph);
   const sim = document.createElement("div");
   sim.innerHTML = "";
-  const lab = document.createElement("strong");
+  // the label, editable in place (PATCH /gallery/items/{id}: a correction, one write)
+  const lab = document.createElement("button");
+  lab.type = "button";
   lab.className = "cell-label";
   lab.textContent = item.label;
+  lab.title = "change this item's label";
+  lab.disabled = access !== "write";
+  lab.addEventListener("click", () => relabelItem(item.id, lab));
   sim.append(lab, document.createElement("br"), `${item.similarity.toFixed(3)} · #${item.id}`);
   div.append(sim);
   thumbnail(item.thumbnail_url).then((src) => {
@@ -92,6 +97,7 @@ function showTab(name) {
   for (const s of document.querySelectorAll("section.tab")) s.hidden = s.id !== `tab-${name}`;
   say("");
   if (name === "labels") loadLabels();
+  if (name === "review") loadReview();
 }
 
 // ---------------------------------------------------------------- classify
@@ -248,10 +254,17 @@ async function loadLabels() {
         tr.append(td);
       }
       const td = document.createElement("td");
+      const sug = document.createElement("button");
+      sug.textContent = "suggestions";
+      sug.className = "read";
+      sug.addEventListener("click", () => loadSuggestions(l.label));
+      const ren = document.createElement("button");
+      ren.textContent = "rename";
+      ren.addEventListener("click", () => renameLabel(l.label, all.map((x) => x.label)));
       const b = document.createElement("button");
       b.textContent = "delete";
       b.addEventListener("click", () => deleteLabel(l.label, l.count));
-      td.append(b);
+      td.append(sug, " ", ren, " ", b);
       tr.append(td);
       return tr;
     });
@@ -269,6 +282,155 @@ async function deleteLabel(label, count) {
     say(`deleted ${r.deleted.length} item(s) of "${label}"`, true);
     loadLabels();
     refreshStatus();
+  } catch (e) {
+    say(e.message);
+  }
+}
+
+// ---------------------------------------------------------------- corrections
+async function relabelItem(id, button) {
+  const label = prompt(`New label for item #${id}:`, button.textContent);
+  if (label === null || !label.trim() || label.trim() === button.textContent) return;
+  try {
+    const r = await api(`/gallery/items/${id}`, {
+      method: "PATCH", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ label: label.trim() }),
+    });
+    button.textContent = r.label;
+    say(`item #${id} is now "${r.label}"`, true);
+    refreshStatus();
+  } catch (e) {
+    say(e.message);
+  }
+}
+
+async function renameLabel(label, labels) {
+  const to = prompt(`Rename "${label}" to:`, label);
+  if (to === null || !to.trim() || to.trim() === label) return;
+  const merge = labels.includes(to.trim());
+  if (merge && !confirm(`"${to.trim()}" exists: merge every item of "${label}" into it?`)) return;
+  const kind = merge ? "merge" : "rename";
+  try {
+    const r = await api(`/gallery/labels/${encodeURIComponent(label)}/${kind}`, {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(merge ? { into: to.trim() } : { to: to.trim() }),
+    });
+    say(`${r.count} item(s) of "${label}" are now "${r.label}"`, true);
+    loadLabels();
+    refreshStatus();
+  } catch (e) {
+    say(e.message);
+  }
+}
+
+let suggestFor = null;
+
+async function loadSuggestions(label) {
+  try {
+    const r = await api(`/gallery/labels/${encodeURIComponent(label)}/suggestions?limit=60`);
+    suggestFor = label;
+    $("suggest-label").textContent = label;
+    $("suggest-list").replaceChildren(...r.suggestions.map((s) => {
+      const div = cell({ id: s.id, label: s.kind === "queued" ? `queued: ${s.label ?? "unknown"}` : s.label,
+        similarity: s.score, thumbnail_url: s.thumbnail_url });
+      div.dataset.kind = s.kind;
+      div.querySelector(".cell-label").disabled = true; // (accept below, not edit here)
+      div.title = `score ${s.score.toFixed(3)}; nearest item of "${label}": #${s.near_id} (cosine ${s.near_similarity.toFixed(3)})`;
+      const box = document.createElement("input");
+      box.type = "checkbox";
+      box.checked = s.score >= 0.5;
+      box.setAttribute("aria-label", `accept #${s.id}`);
+      div.append(box);
+      return div;
+    }));
+    $("suggest-panel").hidden = false;
+    if (!r.suggestions.length) say(`no suggestions for "${label}"`, true);
+    applyAccess();
+  } catch (e) {
+    say(e.message);
+  }
+}
+
+async function acceptSuggestions() {
+  const ticked = [...document.querySelectorAll("#suggest-list .cell")].filter((c) => c.querySelector("input").checked);
+  const items = ticked.filter((c) => c.dataset.kind === "item").map((c) => Number(c.dataset.id));
+  const queued = ticked.filter((c) => c.dataset.kind === "queued").map((c) => Number(c.dataset.id));
+  if (!items.length && !queued.length) return say("tick the suggestions that belong to the label");
+  const json = (body) => ({ method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+  try {
+    let moved = 0;
+    if (items.length) moved += (await api("/gallery/relabel", json({ ids: items, label: suggestFor }))).relabelled.length;
+    if (queued.length) moved += (await api("/review/name", json({ ids: queued, label: suggestFor }))).ids.length;
+    say(`${moved} item(s) are now "${suggestFor}"`, true);
+    loadSuggestions(suggestFor);
+    refreshStatus();
+  } catch (e) {
+    say(e.message);
+  }
+}
+
+// ---------------------------------------------------------------- review
+async function loadReview() {
+  try {
+    const r = await api("/review?limit=500");
+    $("review-summary").textContent = !r.enabled && r.queued === 0
+      ? "The review queue is off: start the service with SNCA_REVIEW_QUEUE=1 to keep what it cannot name."
+      : `${r.queued} queries the service could not name, in ${r.groups.length} group(s) of similar ones (the newest ${r.grouped}). Name a group to make its queries items of that label, or dismiss it.`;
+    $("review-groups").replaceChildren(...r.groups.map((g, n) => {
+      const div = document.createElement("div");
+      div.className = "group";
+      const h = document.createElement("h3");
+      h.textContent = `${g.size} quer${g.size === 1 ? "y" : "ies"}` + (g.nearest_label ? ` · nearest label ${g.nearest_label}` : "");
+      const grid = document.createElement("div");
+      grid.className = "grid";
+      grid.append(...g.sample.map((q) => {
+        const c = cell({ id: q.id, label: q.answer ?? "unknown", similarity: q.margin, thumbnail_url: q.thumbnail_url });
+        c.querySelector(".cell-label").disabled = true;
+        return c;
+      }));
+      const actions = document.createElement("div");
+      actions.className = "actions";
+      const input = document.createElement("input");
+      input.placeholder = "name this group";
+      input.maxLength = 100;
+      input.id = `review-label-${n}`;
+      const name = document.createElement("button");
+      name.type = "button";
+      name.textContent = "Name";
+      name.className = "review-name";
+      name.addEventListener("click", () => nameGroup(g.ids, input.value));
+      const dismiss = document.createElement("button");
+      dismiss.type = "button";
+      dismiss.textContent = "Dismiss";
+      dismiss.className = "review-dismiss";
+      dismiss.addEventListener("click", () => dismissGroup(g.ids));
+      actions.append(input, name, dismiss);
+      div.append(h, grid, actions);
+      return div;
+    }));
+    applyAccess();
+  } catch (e) {
+    say(e.message);
+  }
+}
+
+async function nameGroup(ids, label) {
+  if (!label.trim()) return say("type a label for the group first");
+  try {
+    const r = await api("/review/name", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ ids, label: label.trim() }) });
+    say(`${r.ids.length} queries are now items of "${r.label}" (${r.count} in all)`, true);
+    loadReview();
+    refreshStatus();
+  } catch (e) {
+    say(e.message);
+  }
+}
+
+async function dismissGroup(ids) {
+  try {
+    const r = await api("/review/dismiss", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ ids }) });
+    say(`dismissed ${r.dismissed} queries`, true);
+    loadReview();
   } catch (e) {
     say(e.message);
   }
@@ -300,10 +462,20 @@ function applyAccess() {
   $("register-submit").title = readOnly ? why : "";
   $("register-readonly").hidden = !readOnly;
   $("register-readonly").textContent = readOnly ? `Registering is off: ${why}.` : "";
-  for (const b of document.querySelectorAll("#labels-table button")) {
+  const writes = [
+    ...document.querySelectorAll("#labels-table button:not(.read)"),
+    ...document.querySelectorAll("#review-groups button, #review-groups input"),
+    $("suggest-accept"),
+  ];
+  for (const b of writes) {
     b.disabled = readOnly;
     b.title = readOnly ? why : "";
   }
+  for (const b of document.querySelectorAll("#classify-neighbours .cell-label, #search-results .cell-label")) {
+    b.disabled = readOnly;
+  }
+  $("review-readonly").hidden = !readOnly;
+  $("review-readonly").textContent = readOnly ? `Naming and dismissing are off: ${why}.` : "";
 }
 
 async function refreshStatus() {
@@ -345,6 +517,7 @@ document.addEventListener("DOMContentLoaded", () => {
   dropZone($("classify-drop"), $("classify-file"), classify);
   dropZone($("search-file").parentElement, $("search-file"), search);
   $("register-form").addEventListener("submit", register);
+  $("suggest-accept").addEventListener("click", acceptSuggestions);
   $("classify-register").addEventListener("click", carryToRegister);
   $("empty-register").addEventListener("click", () => showTab("register"));
   $("register-files").addEventListener("change", () => { $("register-carried").hidden = true; });

@@ -203,3 +203,82 @@ def test_a_read_key_turns_the_pages_write_controls_off(base_run, browser, tmp_pa
         page.close()
     finally:
         s.kill(15)
+
+
+@pytest.mark.slow
+def test_the_review_flow_in_the_browser(base_run, browser, tmp_path, fmnist_test):
+    """Issue 43's page: with the review queue on, a read key sees the Review tab's groups with
+    Name and Dismiss off; a write key names the biggest group (its queries become items of the
+    label), takes a label's suggestions and accepts them, renames a label, and edits an item's
+    label in place from Search."""
+    from playwright.sync_api import expect
+
+    keys = "read:review-read-key-1, write:review-write-key-2"
+    env = {"SNCA_API_KEYS": keys, "SNCA_REVIEW_QUEUE": "1"}
+    s = Server(base_run, tmp_path / "serve", env, "--thumbnails")
+    w = {"X-API-Key": "review-write-key-2"}
+    try:
+        with httpx.Client(base_url=s.url, headers=w, timeout=30) as c:
+            assert c.delete("/gallery/labels/Bag").status_code == 200
+            for i in of_class(fmnist_test, 8, 25):
+                c.post("/classify", files={"image": ("q.png", png(fmnist_test, i))})
+            for _ in range(50):  # (the queue's writer runs every half second)
+                if c.get("/review").json()["queued"] >= 15:
+                    break
+                import time
+
+                time.sleep(0.2)
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(s.url + "/")
+        page.fill("#apikey", "review-read-key-1")
+        page.dispatch_event("#apikey", "change")
+        expect(page.locator("#status")).to_contain_text("read-only key")
+        page.click("nav button[data-tab=review]")
+        expect(page.locator("#review-summary")).to_contain_text("queries the service could not")
+        expect(page.locator(".group").first).to_be_visible()
+        expect(page.locator(".group .review-name").first).to_be_disabled()
+        expect(page.locator(".group .review-dismiss").first).to_be_disabled()
+        expect(page.locator("#review-readonly")).to_contain_text("may only read")
+        expect(page.locator(".group .cell img").first).to_be_visible()  # the thumbnails
+        # a write key: name the biggest group
+        page.fill("#apikey", "review-write-key-2")
+        page.dispatch_event("#apikey", "change")
+        expect(page.locator("#status")).not_to_contain_text("read-only")
+        page.click("nav button[data-tab=review]")
+        first = page.locator(".group").first
+        size = int(first.locator("h3").inner_text().split()[0])
+        first.locator("input").fill("new bag")
+        first.locator(".review-name").click()
+        expect(page.locator("#message")).to_contain_text('are now items of "new bag"')
+        # the label's suggestions, accepted
+        page.click("nav button[data-tab=labels]")
+        row = page.locator('#labels-table tr[data-label="new bag"]')
+        expect(row.locator("td").nth(1)).to_have_text(str(size))
+        row.locator("button", has_text="suggestions").click()
+        expect(page.locator("#suggest-label")).to_have_text("new bag")
+        expect(page.locator("#suggest-list .cell").first).to_be_visible()
+        page.click("#suggest-accept")
+        expect(page.locator("#message")).to_contain_text('are now "new bag"')
+        # rename it (a prompt)
+        page.once("dialog", lambda d: d.accept("bags"))
+        page.locator('#labels-table tr[data-label="new bag"] button', has_text="rename").click()
+        expect(page.locator('#labels-table tr[data-label="bags"]')).to_be_visible()
+        # an item's label edited in place from Search
+        page.click("nav button[data-tab=search]")
+        q = tmp_path / "bag.png"
+        q.write_bytes(png(fmnist_test, of_class(fmnist_test, 8, 1, 30)[0]))
+        page.set_input_files("#search-file", str(q))
+        cell = page.locator("#search-results .cell").first
+        expect(cell).to_be_visible()
+        item = cell.get_attribute("data-id")
+        page.once("dialog", lambda d: d.accept("handbag"))
+        cell.locator(".cell-label").click()
+        expect(page.locator("#message")).to_contain_text(f'item #{item} is now "handbag"')
+        got = httpx.get(f"{s.url}/gallery/items/{item}", headers=w).json()
+        assert got["label"] == "handbag"
+        assert not errors, errors
+        page.close()
+    finally:
+        s.kill(15)
