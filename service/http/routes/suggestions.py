@@ -6,12 +6,13 @@ them with POST /gallery/relabel (items) or POST /review/name (queued queries).""
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from embedding.votes import VOTES
 from service.gallery.labels import normalize_label
 from service.gallery.suggest import suggest
 from service.http.deps import GuardedRoute, StateDep, access
@@ -23,11 +24,11 @@ from service.review.groups import MAX_QUERIES
 router = APIRouter(prefix="/gallery", tags=["gallery"], route_class=GuardedRoute)
 
 
-def _suggest(state, label: str, limit: int, queued: bool) -> dict | None:
+def _suggest(state, label: str, limit: int, queued: bool, vote: str) -> dict | None:
     rows = state.store.queued(MAX_QUERIES) if queued else []
     q = [(r.id, r.embedding, r.answer) for r in rows]
     s = state.settings
-    got = suggest(state.gallery, s.vote, label, s.k, limit, q)
+    got = suggest(state.gallery, vote, label, s.k, limit, q)
     if got is None:
         return None
     thumbs = state.store.with_thumbnails([x.id for x in got if x.kind == "item"])
@@ -61,11 +62,14 @@ async def suggestions(
     label: str,
     limit: Annotated[int, Query(ge=1, le=1000, description="suggestions returned")] = 100,
     queued: Annotated[bool, Query(description="also rank the review queue's queries")] = True,
+    vote: Annotated[
+        Literal[VOTES], Query(description="the rule whose probability ranks them")
+    ] = "knn",
 ):
     name = normalize_label(label)
     admission = request.app.state.admission
     async with admission.diagnostics_gate.enter():  # (CPU-bound: a bounded number at once)
-        body = await run_in_threadpool(_suggest, state, name, limit, queued)
+        body = await run_in_threadpool(_suggest, state, name, limit, queued, vote)
     if body is None:
         raise Problem(404, "label_unknown", f"no live items with label {name!r}")
     return JSONResponse(body)

@@ -338,7 +338,7 @@ async function loadSuggestions(label) {
       div.title = `score ${s.score.toFixed(3)}; nearest item of "${label}": #${s.near_id} (cosine ${s.near_similarity.toFixed(3)})`;
       const box = document.createElement("input");
       box.type = "checkbox";
-      box.checked = s.score >= 0.5;
+      box.checked = s.score > 0; // (the vote gives it to the label)
       box.setAttribute("aria-label", `accept #${s.id}`);
       div.append(box);
       return div;
