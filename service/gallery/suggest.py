@@ -87,7 +87,7 @@ def _vectors(gallery, ids: np.ndarray) -> np.ndarray:
         return np.zeros((0, gallery.dim), np.float32)
     if gallery.rows.dense:
         return np.stack([gallery.rows.vector(int(i)) for i in ids]).astype(np.float32)
-    return np.stack([gallery.vectors.index.reconstruct(int(i)) for i in ids]).astype(np.float32)
+    return np.stack([gallery.vectors.vector(int(i)) for i in ids]).astype(np.float32)
 
 
 def _vote(gallery, rule, q: np.ndarray, k: int, exclude: np.ndarray | None) -> np.ndarray:

@@ -33,6 +33,18 @@ class VectorIndex:
             np.ascontiguousarray(emb, dtype=np.float32), np.asarray(ids, dtype=np.int64)
         )
 
+    def vector(self, item_id: int) -> np.ndarray:
+        """(d,) the stored vector of an item (an IVF index gets its direct map once: it
+        reconstructs by list and offset only with it)."""
+        try:
+            return self.index.reconstruct(int(item_id))
+        except RuntimeError:
+            ivf = faiss.try_extract_index_ivf(faiss.downcast_index(self.index.index))
+            if ivf is None:
+                raise
+            ivf.make_direct_map()
+            return self.index.reconstruct(int(item_id))
+
     def held(self) -> set[int]:
         """The ids the index holds and has not tombstoned (read once at start-up)."""
         return set(faiss.vector_to_array(self.index.id_map).tolist()) - self.tombstones

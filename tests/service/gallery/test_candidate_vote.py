@@ -161,3 +161,25 @@ def test_after_deletes_every_index_kind_returns_each_items_own_id(factory):
     assert all(ids[j] in row for j, row in zip(keep, got, strict=True)), got[:, :3]
     _, got = vi.search(x[:600:2], 5)
     assert not set(got.ravel().tolist()) & set(ids[:600:2].tolist())
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF8,Flat", "HNSW16"])
+def test_corrections_and_suggestions_on_every_index_kind(factory):
+    """Issue 43 past the dense path: a correction moves items between labels (statistics, the
+    vote), and a label's suggestions read its items' vectors back from the index (an IVF index
+    makes its direct map for that)."""
+    from service.gallery.suggest import suggest
+    from service.store.records import Relabelled
+
+    g = _gallery(factory, exact_max=0)
+    a = g.rows.ids_with(np.array([g.stats.ids["a"]]))[:40]
+    moved = [Relabelled(int(i), "a", g.vectors.vector(int(i)), "added", None) for i in a]
+    g.apply_relabel(moved, "c", seq=99)
+    assert g.count_of("a") == 560 and g.count_of("c") == 45 and g.version == 99
+    got = suggest(g, "knn", "c", k=30, limit=20)
+    c_ids = set(g.rows.ids_with(np.array([g.stats.ids["c"]])).tolist())
+    assert got and all(s.near_id in c_ids and s.id not in c_ids for s in got)
+    assert [s.score for s in got] == sorted((s.score for s in got), reverse=True)
+    # the moved items vote for their new label
+    q = np.stack([m.embedding for m in moved[:5]])
+    assert all(r.label == "c" for r in g.classify(q, "knn", 10))
