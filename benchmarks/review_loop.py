@@ -10,7 +10,7 @@ POST /gallery/add):
   (`--queries` novel and base queries through POST /classify): novel top-1, base top-1, their
   harmonic mean (HM);
 - the loop, as a person does it: each held-out label's suggestions
-  (GET /gallery/labels/{label}/suggestions, the top 100) looked at, the right ones accepted (the
+  (GET /gallery/suggestions, the top 100) looked at, the right ones accepted (the
   queued queries through POST /review/name, the gallery's items through POST /gallery/relabel:
   one write each);
 - after: the same protocol again, on the same held-out half (never seen by the loop).
@@ -128,7 +128,7 @@ class Session:
         return out
 
     def suggestions(self, label: str) -> list[dict]:
-        r = self.c.get(f"/gallery/labels/{label}/suggestions", params={"limit": 100})
+        r = self.c.get("/gallery/suggestions", params={"label": label, "limit": 100})
         return r.json()["suggestions"]
 
     def loop(self, truth: dict[int, str]) -> dict:

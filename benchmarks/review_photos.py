@@ -92,7 +92,7 @@ def main() -> int:
             for i, b in enumerate(crops(imgs[target], 5, 3, box[target]))
         ]
         assert c.post("/gallery/add", data={"label": target}, files=files).status_code == 201
-        got = c.get(f"/gallery/labels/{target}/suggestions", params={"limit": 20}).json()[
+        got = c.get("/gallery/suggestions", params={"label": target, "limit": 20}).json()[
             "suggestions"
         ]
         right = sum(s["kind"] == "queued" and qtruth.get(s["id"]) == target for s in got)

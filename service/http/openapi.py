@@ -50,6 +50,18 @@ WITH_MIN_VERSION = {
 }
 
 
+# marks a JSON body's label field (service/http/routes/corrections.py Label): `build` writes the
+# settings' SNCA_MAX_LABEL_LENGTH in as its maxLength
+LABEL_FIELD = "x-snca-label"
+
+
+def _label_fields(comps: dict, s: Settings) -> None:
+    for schema in comps.values():
+        for prop in schema.get("properties", {}).values():
+            if prop.pop(LABEL_FIELD, False):
+                prop["maxLength"] = s.max_label_length
+
+
 def _limits(op: dict, s: Settings) -> None:
     """The settings' limits into a documented multipart form (service/http/inputs.py reads it)."""
     body = op.get("requestBody", {}).get("content", {}).get("multipart/form-data")
@@ -109,6 +121,7 @@ def build(app: FastAPI, settings: Settings, keys: KeyRing | None = None) -> dict
                         ", or an Idempotency-Key used before for another request"
                     )
             _limits(op, settings)
+    _label_fields(comps, settings)
     return schema
 
 

@@ -422,11 +422,11 @@ class Client(threading.Thread):
             to = f"c{self.n}-m{self.fresh}"
         kind = "merge" if merge else "rename"
         op = self.journal.add(Op(kind, uuid.uuid4().hex, old, time.monotonic(), to=to))
-        body = {"into": to} if merge else {"to": to}
+        body = {"label": old, "into": to} if merge else {"label": old, "to": to}
         r = self._send(
             op,
             lambda: http.post(
-                f"{url}/gallery/labels/{old}/{kind}",
+                f"{url}/gallery/{kind}",
                 json=body,
                 headers={"Idempotency-Key": op.key},
             ),
@@ -454,8 +454,8 @@ class Client(threading.Thread):
             r = self._send(
                 op,
                 lambda: http.post(
-                    f"{url}/gallery/labels/{TRAINED_RENAMED}/rename",
-                    json={"to": to},
+                    f"{url}/gallery/rename",
+                    json={"label": TRAINED_RENAMED, "to": to},
                     headers={"Idempotency-Key": op.key},
                 ),
             )

@@ -1,5 +1,7 @@
 """Corrections (issue 43): PATCH /gallery/items/{id} (one item's label), POST /gallery/relabel
-(many items to one label), POST /gallery/labels/{label}/rename and /merge. Each is one durable
+(many items to one label), POST /gallery/rename and /gallery/merge (a label's every item; the
+label in the body, not the path: `DELETE /gallery/labels/{label}` takes any label, "/" included,
+so a path under it would be another label's delete). Each is one durable
 write like an add: in the change log (every replica, the model process, an upgrade's carry
 follow it), answered once the model process votes with it, the open-set calibration of every
 touched label recomputed (service/gallery/gallery.py apply_relabel), an Idempotency-Key
@@ -11,12 +13,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from service.gallery.labels import check_label, normalize_label
+from service.gallery.labels import LABEL_PATTERN, check_label, normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
-from service.http.inputs import IDEMPOTENCY_PARAMETER
+from service.http.inputs import IDEMPOTENCY_PARAMETER, idempotency_key
+from service.http.openapi import LABEL_FIELD
 from service.http.problems import Problem
 from service.http.routes.gallery import REPLAYED, ItemId, keyed_write
 from service.store.records import LabelConflict
@@ -25,7 +28,33 @@ router = APIRouter(prefix="/gallery", tags=["gallery"], route_class=GuardedRoute
 
 MAX_IDS = 1000  # items one relabel may name (one write; bounded time under the write lock)
 
-Label = Annotated[str, Field(min_length=1, max_length=1000, description="a label name")]
+# a label as the gallery takes it (openapi.py writes SNCA_MAX_LABEL_LENGTH in as maxLength)
+Label = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=1000,
+        pattern=LABEL_PATTERN,
+        description="a label name",
+        json_schema_extra={LABEL_FIELD: True},
+    ),
+]
+# ids in a JSON body: below 2^53, a number every JSON reader holds exactly (ids count up from 0)
+JSON_ID_MAX = 2**53 - 1
+
+
+def _not_bool(v):
+    """JSON Schema's integer: 3 and 3.0, never true (which lax int validation takes as 1)."""
+    if isinstance(v, bool):
+        raise ValueError("an id is a number, not true or false")
+    return v
+
+
+JsonId = Annotated[int, Field(ge=0, le=JSON_ID_MAX), BeforeValidator(_not_bool)]
+ItemIds = Annotated[
+    list[JsonId],
+    Field(min_length=1, max_length=MAX_IDS, description=f"1 to {MAX_IDS} item ids"),
+]
 
 
 class NewLabel(BaseModel):
@@ -35,20 +64,20 @@ class NewLabel(BaseModel):
 
 class Relabel(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] = Field(
-        min_length=1, max_length=MAX_IDS, description=f"1 to {MAX_IDS} item ids"
-    )
+    ids: ItemIds
     label: Label
 
 
 class Rename(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    to: Label
+    label: Label = Field(description="the label renamed")
+    to: Label = Field(description="its new name (no live item may have it: merge instead)")
 
 
 class Merge(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    into: Label
+    label: Label = Field(description="the label merged away")
+    into: Label = Field(description="the label its items join (it has items)")
 
 
 class Moved(BaseModel):
@@ -136,8 +165,9 @@ def _answer(out: BaseModel, replayed: bool):
 
 async def _rename(request: Request, state, old: str, new: str, merge: bool):
     op = "merge" if merge else "rename"
+    idempotency_key(request, state.settings.idempotency_ttl_s, op)  # (a bad key: 422 first)
     if old == new:
-        raise Problem(422, "label_same", f"{old!r} is already called {new!r}: nothing to {op}")
+        raise Problem(409, "label_same", f"{old!r} is already called {new!r}: nothing to {op}")
     try:
         done, found = await keyed_write(
             request, state, op, (old, new), lambda keyed: state.rename(old, new, merge, keyed)
@@ -158,27 +188,30 @@ async def _rename(request: Request, state, old: str, new: str, merge: bool):
 
 
 @router.post(
-    "/labels/{label:path}/rename",
+    "/rename",
     response_model=RenameResult,
     responses={
         404: {"description": "the label has no live items"},
-        409: {"description": "the new name has items already (merge instead)"},
+        409: {"description": "the new name has items already (merge instead), or is the label"},
     },
     summary="Rename a label (every item moves; another model's index follows on upgrade)",
     openapi_extra=access("write", parameters=[IDEMPOTENCY_PARAMETER]),
 )
-async def rename(request: Request, state: StateDep, label: str, body: Rename):
-    old, new = normalize_label(label), _label(state, body.to)
+async def rename(request: Request, state: StateDep, body: Rename):
+    old, new = normalize_label(body.label), _label(state, body.to)
     return await _rename(request, state, old, new, merge=False)
 
 
 @router.post(
-    "/labels/{label:path}/merge",
+    "/merge",
     response_model=RenameResult,
-    responses={404: {"description": "either label has no live items"}},
+    responses={
+        404: {"description": "either label has no live items"},
+        409: {"description": "the two labels are one"},
+    },
     summary="Merge a label into another that has items (every item moves to it)",
     openapi_extra=access("write", parameters=[IDEMPOTENCY_PARAMETER]),
 )
-async def merge(request: Request, state: StateDep, label: str, body: Merge):
-    old, new = normalize_label(label), _label(state, body.into)
+async def merge(request: Request, state: StateDep, body: Merge):
+    old, new = normalize_label(body.label), _label(state, body.into)
     return await _rename(request, state, old, new, merge=True)

@@ -18,19 +18,20 @@ from service.gallery.labels import check_label
 from service.http.deps import GuardedRoute, StateDep, access
 from service.http.inputs import IDEMPOTENCY_PARAMETER
 from service.http.problems import Problem
+from service.http.routes.corrections import JsonId, Label
 from service.http.routes.gallery import REPLAYED, keyed_write
 from service.review import groups as grouping
 
 router = APIRouter(prefix="/review", tags=["review"], route_class=GuardedRoute)
 
 MAX_IDS = 1000
-QueuedId = Annotated[int, Field(ge=0, le=2**63 - 1)]
+QueuedId = JsonId
 
 
 class Name(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ids: list[QueuedId] = Field(min_length=1, max_length=MAX_IDS, description="queued query ids")
-    label: Annotated[str, Field(min_length=1, max_length=1000)]
+    label: Label
 
 
 class Dismiss(BaseModel):

@@ -1,4 +1,4 @@
-"""GET /gallery/labels/{label}/suggestions (issue 43, propagation): the gallery items of other
+"""GET /gallery/suggestions?label=... (issue 43, propagation): the gallery items of other
 labels and the queued queries the service's vote would most likely give to a label, ranked,
 each with its score and the label's item it sits nearest (service/gallery/suggest.py); accept
 them with POST /gallery/relabel (items) or POST /review/name (queued queries)."""
@@ -51,7 +51,7 @@ def _suggest(state, label: str, limit: int, queued: bool, vote: str) -> dict | N
 
 
 @router.get(
-    "/labels/{label:path}/suggestions",
+    "/suggestions",
     responses={404: {"description": "no live items with this label"}},
     summary="Gallery items and queued queries that likely belong to a label, ranked, with why",
     openapi_extra=access("read"),
@@ -59,7 +59,7 @@ def _suggest(state, label: str, limit: int, queued: bool, vote: str) -> dict | N
 async def suggestions(
     request: Request,
     state: StateDep,
-    label: str,
+    label: Annotated[str, Query(min_length=1, max_length=1000, description="the label")],
     limit: Annotated[int, Query(ge=1, le=1000, description="suggestions returned")] = 100,
     queued: Annotated[bool, Query(description="also rank the review queue's queries")] = True,
     vote: Annotated[

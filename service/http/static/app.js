@@ -311,9 +311,9 @@ async function renameLabel(label, labels) {
   if (merge && !confirm(`"${to.trim()}" exists: merge every item of "${label}" into it?`)) return;
   const kind = merge ? "merge" : "rename";
   try {
-    const r = await api(`/gallery/labels/${encodeURIComponent(label)}/${kind}`, {
+    const r = await api(`/gallery/${kind}`, {
       method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify(merge ? { into: to.trim() } : { to: to.trim() }),
+      body: JSON.stringify(merge ? { label, into: to.trim() } : { label, to: to.trim() }),
     });
     say(`${r.count} item(s) of "${label}" are now "${r.label}"`, true);
     loadLabels();
@@ -327,7 +327,7 @@ let suggestFor = null;
 
 async function loadSuggestions(label) {
   try {
-    const r = await api(`/gallery/labels/${encodeURIComponent(label)}/suggestions?limit=60`);
+    const r = await api(`/gallery/suggestions?${new URLSearchParams({ label, limit: "60" })}`);
     suggestFor = label;
     $("suggest-label").textContent = label;
     $("suggest-list").replaceChildren(...r.suggestions.map((s) => {

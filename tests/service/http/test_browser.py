@@ -110,7 +110,7 @@ def test_classify_register_labels_search_in_the_browser(server, browser, tmp_pat
 
     page.click("nav button[data-tab=labels]")
     page.once("dialog", lambda d: d.accept())
-    row.locator("button").click()
+    row.locator("button", has_text="delete").click()
     expect(row).to_have_count(0)
     labels = httpx.get(server.url + "/gallery/labels").json()["labels"]
     assert "my-tee" not in {x["label"] for x in labels}
@@ -193,7 +193,12 @@ def test_a_read_key_turns_the_pages_write_controls_off(base_run, browser, tmp_pa
         expect(page.locator("#register-submit")).to_be_disabled()
         expect(page.locator("#register-readonly")).to_contain_text("may only read")
         page.click("nav button[data-tab=labels]")
-        expect(page.locator("#labels-table tbody button").first).to_be_disabled()
+        for name in ("delete", "rename"):  # (suggestions only read: they stay on)
+            button = page.locator("#labels-table tbody button", has_text=name).first
+            expect(button).to_be_disabled()
+        expect(
+            page.locator("#labels-table tbody button", has_text="suggestions").first
+        ).to_be_enabled()
         page.fill("#apikey", "page-write-key-2")
         page.dispatch_event("#apikey", "change")
         expect(page.locator("#status")).not_to_contain_text("read-only")

@@ -50,16 +50,16 @@ def test_corrections_are_durable_writes_with_calibration_recomputed(
         assert r.status_code == 200 and r.json()["gallery_version"] == v1 + 1
         assert sorted(m["id"] for m in r.json()["relabelled"]) == sorted([ids[1], tid])
         # a rename onto a label with items is refused (a merge is asked for), and vice versa
-        assert c.post("/gallery/labels/top/rename", json={"to": "shirt"}).status_code == 409
-        r = c.post("/gallery/labels/top/merge", json={"into": "nobody"})
+        assert c.post("/gallery/rename", json={"label": "top", "to": "shirt"}).status_code == 409
+        r = c.post("/gallery/merge", json={"label": "top", "into": "nobody"})
         assert r.status_code == 404 and r.json()["code"] == "label_unknown"
-        assert c.post("/gallery/labels/none/rename", json={"to": "x"}).status_code == 404
-        r = c.post("/gallery/labels/top/rename", json={"to": "top"})
-        assert r.status_code == 422 and r.json()["code"] == "label_same"
+        assert c.post("/gallery/rename", json={"label": "none", "to": "x"}).status_code == 404
+        r = c.post("/gallery/rename", json={"label": "top", "to": "top"})
+        assert r.status_code == 409 and r.json()["code"] == "label_same"
         # rename a trained label, merge an added one into another (label names with '/')
-        r = c.post("/gallery/labels/Trouser/rename", json={"to": "Pants/long"})
+        r = c.post("/gallery/rename", json={"label": "Trouser", "to": "Pants/long"})
         assert r.status_code == 200 and r.json()["count"] == before["Trouser"] - 1
-        r = c.post("/gallery/labels/top/merge", json={"into": "shirt"})
+        r = c.post("/gallery/merge", json={"label": "top", "into": "shirt"})
         assert r.status_code == 200 and r.json()["count"] == 4
         after = labels(c)
         assert "Trouser" not in after and "top" not in after
@@ -99,8 +99,8 @@ def test_a_retried_correction_is_answered_once(base_run, tmp_path, fmnist_train)
         r3 = c.patch(f"/gallery/items/{item}", json={"label": "d"}, headers=h)
         assert r3.status_code == 422 and r3.json()["code"] == "idempotency_key_reused"
         h = {"Idempotency-Key": "ren-1"}
-        r1 = c.post("/gallery/labels/c/rename", json={"to": "e"}, headers=h)
-        r2 = c.post("/gallery/labels/c/rename", json={"to": "e"}, headers=h)
+        r1 = c.post("/gallery/rename", json={"label": "c", "to": "e"}, headers=h)
+        r2 = c.post("/gallery/rename", json={"label": "c", "to": "e"}, headers=h)
         assert r1.status_code == r2.status_code == 200 and r1.json() == r2.json()
         assert labels(c).get("e") == 1
 
@@ -115,8 +115,11 @@ def test_bad_corrections_are_problems(base_run, tmp_path):
             ("post", "/gallery/relabel", {"ids": [], "label": "x"}),
             ("post", "/gallery/relabel", {"ids": list(range(1001)), "label": "x"}),
             ("post", "/gallery/relabel", {"ids": ["a"], "label": "x"}),
-            ("post", "/gallery/labels/Trouser/rename", {"to": "x" * 2000}),
-            ("post", "/gallery/labels/Trouser/merge", {}),
+            ("post", "/gallery/rename", {"label": "Trouser", "to": "x" * 2000}),
+            ("post", "/gallery/rename", {"label": "Trouser", "to": "x" * 101}),
+            ("post", "/gallery/relabel", {"ids": [False], "label": "x"}),
+            ("post", "/gallery/merge", {"label": "Trouser"}),
+            ("post", "/review/dismiss", {"ids": [True]}),
         ]
         for method, path, body in bad:
             r = getattr(c, method)(path, json=body)

@@ -1,4 +1,4 @@
-"""Propagation over HTTP (issue 43): GET /gallery/labels/{label}/suggestions on a tiny real model
+"""Propagation over HTTP (issue 43): GET /gallery/suggestions?label=... on a tiny real model
 and real Fashion-MNIST images: after five images of a class the gallery lost are registered,
 the queued queries of that class come first; items filed under a wrong label are found by
 their true label; each suggestion says which of the label's items it sits nearest; accepting
@@ -36,7 +36,7 @@ def test_suggestions_find_a_new_labels_queries_and_misfiled_items(
         wrong = [x["id"] for x in trousers["items"]]
         r = c.post("/gallery/relabel", json={"ids": wrong, "label": "Sneaker"})
         assert r.status_code == 200
-        r = c.get("/gallery/labels/bag/suggestions", params={"limit": 40})
+        r = c.get("/gallery/suggestions", params={"label": "bag", "limit": 40})
         assert r.status_code == 200, r.text
         got = r.json()["suggestions"]
         queued = [s for s in got if s["kind"] == "queued"][:20]
@@ -45,7 +45,7 @@ def test_suggestions_find_a_new_labels_queries_and_misfiled_items(
         assert all(s["near_id"] in own and -1 <= s["near_similarity"] <= 1 for s in got)
         assert [s["score"] for s in got] == sorted((s["score"] for s in got), reverse=True)
         # the misfiled trousers: their true label finds them first among the gallery's items
-        r = c.get("/gallery/labels/Trouser/suggestions", params={"limit": 20, "queued": False})
+        r = c.get("/gallery/suggestions", params={"label": "Trouser", "limit": 20, "queued": False})
         items = [s for s in r.json()["suggestions"] if s["kind"] == "item"]
         assert {s["id"] for s in items[:5]} == set(wrong), items[:10]
         assert all(s["label"] == "Sneaker" and s["score"] > 0.5 for s in items[:5])
@@ -54,4 +54,4 @@ def test_suggestions_find_a_new_labels_queries_and_misfiled_items(
         assert len(r.json()["relabelled"]) == 5
         r = c.post("/review/name", json={"ids": sorted(bags)[:10], "label": "bag"})
         assert r.status_code == 201 and r.json()["count"] == 15
-        assert c.get("/gallery/labels/nobody/suggestions").status_code == 404
+        assert c.get("/gallery/suggestions", params={"label": "nobody"}).status_code == 404
