@@ -75,6 +75,14 @@ async def readyz(request: Request):
     body["store"] = state.store.url
     if state.rebuilds:
         body["rebuilds"] = state.rebuilds
+    review = request.app.state.review
+    if review is not None:  # what this front's review queue writer did (service/review/)
+        body["review"] = {
+            "queued": review.queued,
+            "dropped": review.dropped,
+            "pruned": review.pruned,
+            "error": review.error,
+        }
     if not writable:
         body["store_error"] = state.store_problem() or "the store cannot be written"
     if model_down is not None:

@@ -122,6 +122,9 @@ def test_the_queue_is_off_by_default_bounded_and_keeps_uploads_only_when_asked(
         review = queue_of(c)
         store = c.app.state.snca.state.store
         assert store.queue_totals()[0] == 7 and review.queued >= 15 and review.pruned >= 8
+        said = c.get("/readyz").json()["review"]
+        assert said["queued"] == review.queued and said["pruned"] == review.pruned
+        assert said["dropped"] == 0 and said["error"] is None
         q = store.queued_items([x.id for x in store.queued(10)])
         uploads = {png(fmnist_test, i) for i in of_class(fmnist_test, 8, 20)}
         assert all(x.image in uploads for x in q)  # (the uploads themselves: asked for)
