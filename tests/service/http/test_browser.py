@@ -251,8 +251,11 @@ def test_the_review_flow_in_the_browser(base_run, browser, tmp_path, fmnist_test
         page.fill("#apikey", "review-write-key-2")
         page.dispatch_event("#apikey", "change")
         expect(page.locator("#status")).not_to_contain_text("read-only")
-        page.click("nav button[data-tab=review]")
+        with page.expect_response(lambda r: "/review?" in r.url):  # (the groups drawn again:
+            page.click("nav button[data-tab=review]")  # a field filled before is replaced)
+        page.wait_for_load_state("networkidle")
         first = page.locator(".group").first
+        expect(first.locator(".review-name")).to_be_enabled()
         size = int(first.locator("h3").inner_text().split()[0])
         first.locator("input").fill("new bag")
         first.locator(".review-name").click()
