@@ -35,7 +35,6 @@ from service.store.records import Item, Relabelled
 
 # The rules are stateless: one instance each.
 RULES_BY_NAME: dict[str, VoteRule] = {name: cls() for name, cls in RULES.items()}
-_RULES = RULES_BY_NAME
 
 
 @dataclass
@@ -314,7 +313,7 @@ class Gallery:
             c,
             np.ascontiguousarray(emb, dtype=np.float32),
             own,
-            _RULES[vote],
+            RULES_BY_NAME[vote],
             names,
             sums,
             counts,
@@ -481,7 +480,7 @@ class Gallery:
 
     def _classify(self, q, vote: str, k: int, labels, neighbors: bool) -> list[Classification]:
         """classify's vote, under the read lock."""
-        rule = _RULES[vote]
+        rule = RULES_BY_NAME[vote]
         qt = (
             q
             if isinstance(q, torch.Tensor)
