@@ -253,9 +253,25 @@ class Settings(BaseSettings):
         20.0,
         ge=0.5,
         le=3600,
-        description="the longest a request (or a write's acknowledgement) waits for the "
-        "worker's model process: past it the process counts as stopped or hung, its requests "
-        "answer 503 model_unavailable, it is restarted (/readyz 503 from half of it)",
+        description="the longest the worker's model process may work without answering "
+        "anything while jobs wait for it: past it the process counts as stopped or hung, its "
+        "requests answer 503 model_unavailable, it is restarted (/readyz 503 from half of it); "
+        "a busy process that answers batch after batch is never judged hung",
+    )
+    model_queue_s: float = Field(
+        5.0,
+        gt=0,
+        le=3600,
+        description="the longest a request may expect to wait for the worker's model process "
+        "(the jobs queued to it times its recent time per job): past it, 503 model_busy with "
+        "Retry-After at once, before the request waits",
+    )
+    model_queue_max: int = Field(
+        1024,
+        ge=1,
+        le=1_000_000,
+        description="jobs (images) queued to the worker's model process at most (their pixels "
+        "wait in memory): past it, 503 model_busy",
     )
     idempotency_ttl_s: float = Field(
         86400.0,

@@ -33,7 +33,7 @@ from embedding.world import WORLD_FILE, WorldFit, unfitted
 from embedding.world import load as load_world_fit
 from service.config import Settings
 from service.gallery import Gallery, VectorIndex
-from service.gallery.snapshot import load_snapshot
+from service.gallery.snapshot import discard_snapshot, load_snapshot
 from service.metrics import Metrics
 from service.model.runtime import ModelRuntime, Runtime
 from service.state import ServiceState
@@ -463,35 +463,102 @@ def load_gallery(store, built, manifest, fingerprint: str, data: DataDir, snapsh
     """The index snapshot (or the built index `built`) brought up to the store: writes after
     it replayed. A snapshot older than the log's floor is not used (the deletes it misses may
     be compacted away); the built index holds only trained items, whose rows are never
-    compacted, so it can always be brought up to date."""
-    meta = store.meta()
-    last_seq, floor = int(meta["last_seq"]), int(meta.get("log_floor", 0))
-    snap = (
-        load_snapshot(data.path, fingerprint, manifest.index_id, last_seq, store.log_token)
-        if snapshot
-        else None
-    )
-    if snap is not None and 0 < snap.seq < floor:
-        log.warning("ignoring the snapshot at write %d: the log starts after %d", snap.seq, floor)
-        snap = None
+    compacted, so it can always be brought up to date.
+
+    The store is read in one transaction (Store.reader: one point in time), so a write that
+    commits meanwhile (another process's correction, which moves an item's add_seq past the
+    version read here) is either wholly in what is loaded or wholly after it, for the follower.
+    Then the index is checked against the store's live items (the same ids, each once); a
+    snapshot that disagrees is discarded and the gallery loaded from the built index."""
+    with store.reader() as r:
+        meta = r.meta()
+        last_seq, floor = int(meta["last_seq"]), int(meta.get("log_floor", 0))
+        snap = (
+            load_snapshot(data.path, fingerprint, manifest.index_id, last_seq, store.log_token)
+            if snapshot
+            else None
+        )
+        if snap is not None and 0 < snap.seq < floor:
+            log.warning(
+                "ignoring the snapshot at write %d: the log starts after %d", snap.seq, floor
+            )
+            snap = None
+        items = r.live_items()
+        deleted = r.deleted_after(0 if snap is None else snap.seq)
+    loaded = _bring_up(built, manifest, snap, items, deleted, last_seq)
+    wrong = index_disagrees(loaded.vectors, items)
+    if wrong is not None and snap is not None:
+        log.warning(
+            "the snapshot at write %d disagrees with the gallery store (%s): discarded, the "
+            "gallery is loaded from the built index",
+            snap.seq,
+            wrong,
+            extra={"fields": {"snapshot_seq": snap.seq, "store_seq": last_seq}},
+        )
+        discard_snapshot(data.path, snap.seq)
+        with store.reader() as r:  # (the built index from write 0: every delete)
+            deleted = r.deleted_after(0)
+        loaded = _bring_up(built, manifest, None, items, deleted, last_seq)
+        wrong = index_disagrees(loaded.vectors, items)
+    if wrong is not None:  # (the built index and the store disagree: made to agree)
+        log.error("the built index disagrees with the gallery store (%s): repaired", wrong)
+        repair_index(loaded.vectors, items)
+    return loaded
+
+
+def _bring_up(built, manifest, snap, items: list, deleted: list, last_seq: int) -> Loaded:
+    """The index of `snap` (None: the built index) with the writes after it: the live `items`
+    it lacks added, the `deleted` (after it) it holds removed. Whether the index holds an item
+    is read from the index, not inferred from add_seq (a correction moves an item's add_seq to
+    its own write: store/base.py relabel)."""
     if snap is None:
         vectors, base_seq = VectorIndex(built, manifest.search_params), 0
     else:
         vectors = VectorIndex(snap.index, manifest.search_params, snap.tombstones)
         base_seq = snap.seq
-    # Bring the index up to the store: writes after the snapshot (or after the build), up to
-    # last_seq. Other processes may write meanwhile: their adds are left to the follower, and
-    # a delete after last_seq read here as already done makes the follower's delete a no-op.
-    # A correction moves an item's add_seq to its own write (store/base.py relabel): whether
-    # the index holds an item is read from the index, not inferred from add_seq.
-    items = store.live_items(upto=last_seq)
     held = vectors.held()
     replay_add = [it for it in items if it.add_seq > base_seq and it.id not in held]
     for item in replay_add:
         vectors.add(np.array([item.id], dtype=np.int64), item.embedding[None, :])
-    replay_del = [r for r in store.deleted_after(base_seq) if r[0] in held]
-    vectors.remove(np.array([r[0] for r in replay_del], dtype=np.int64))
+    replay_del = [row for row in deleted if row[0] in held]
+    vectors.remove(np.array([row[0] for row in replay_del], dtype=np.int64))
     return Loaded(vectors, items, last_seq, base_seq, len(replay_add), len(replay_del))
+
+
+def index_disagrees(vectors: VectorIndex, items: list) -> str | None:
+    """How the index differs from the store's live `items` (ids it lacks, ids it holds that
+    are not live, ids it holds twice), in words; None when they agree."""
+    held = vectors.ids()
+    live = {it.id for it in items}
+    ids = set(held.tolist())
+    missing, extra = live - ids, ids - live
+    twice = len(held) - len(ids)
+    if not (missing or extra or twice):
+        return None
+    said = []
+    for n, what, which in ((len(missing), "live items missing", missing),
+                           (len(extra), "items not live", extra)):  # fmt: skip
+        if n:
+            said.append(f"{n} {what} (ids {', '.join(map(str, sorted(which)[:5]))})")
+    if twice:
+        said.append(f"{twice} vectors held twice")
+    return "; ".join(said)
+
+
+def repair_index(vectors: VectorIndex, items: list) -> None:
+    """Make the index hold each live item once (a last resort after index_disagrees): the ids
+    that are not live removed, the missing added; an id held twice removed and added once
+    where the index can remove (Flat), else left (a search may then return it twice)."""
+    held = vectors.ids()
+    ids, counts = np.unique(held, return_counts=True)
+    live = {it.id: it for it in items}
+    gone = [i for i in ids.tolist() if i not in live]
+    twice = [i for i in ids[counts > 1].tolist() if i in live] if vectors.removable() else []
+    vectors.remove(np.array(gone + twice, dtype=np.int64))
+    have = set(vectors.ids().tolist())
+    for it in items:
+        if it.id not in have:
+            vectors.add(np.array([it.id], dtype=np.int64), it.embedding[None, :])
 
 
 def _carry_beside(o: Opening, settings: Settings, progress, status=None) -> Report:

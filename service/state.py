@@ -84,6 +84,23 @@ class ServiceState:
         self._follower.start()
 
     # ------------------------------------------------------------------ writes
+    def _write(self, commit, apply):
+        """The one write path: `commit()` -> (seq, result) in the store (seq 0: nothing
+        written), then, under the write lock, `apply(seq, result)` to the gallery if nobody
+        else wrote meanwhile, else the log up to seq (the other processes' writes first, then
+        this one, as the follower applies them). A write that changed nothing in the gallery
+        (an Idempotency-Key's recorded no-op) only moves the version. (seq, result)."""
+        with self.write_lock:
+            with self._store_write():
+                seq, result = commit()
+            if seq and self.gallery.version == seq - 1:
+                apply(seq, result)
+                self.gallery.version = max(self.gallery.version, seq)
+                self._after_write()
+            elif seq:
+                self._applied_after_commit(seq)
+            return seq, result
+
     def add(
         self,
         label: str,
@@ -96,47 +113,38 @@ class ServiceState:
     ) -> tuple[list[int], int]:
         """Store and apply an add; `stats` (n, D) the images' world statistics, when known;
         `keyed`: the client's Idempotency-Key (Replayed: it was used before, nothing written)."""
-        with self.write_lock:
-            with self._store_write():
-                seq, ids = self.store.add(label, emb, metadata, images, thumbnails, stats, keyed)
-            if self.gallery.version == seq - 1:  # nobody else wrote meanwhile
-                self.gallery.apply_add(ids, label, emb, seq, stats)
-                self._after_write()
-            else:  # another process's writes come first, then this one, from the log
-                self._applied_after_commit(seq)
-            return ids, seq
+        seq, ids = self._write(
+            lambda: self.store.add(label, emb, metadata, images, thumbnails, stats, keyed),
+            lambda seq, ids: self.gallery.apply_add(ids, label, emb, seq, stats),
+        )
+        return ids, seq
 
     def delete(
         self, ids: list[int] | None = None, label: str | None = None, keyed: Keyed | None = None
     ) -> tuple[list, int]:
         """Delete the live items among `ids` (or of `label`) as the store has them, not as this
         replica remembers them: an item added on another replica a moment ago is found even
-        before this one applied it. ([], version) when none was live."""
-        with self.write_lock:
-            with self._store_write():
-                seq, rows = self.store.delete(ids, label, keyed)
-            if not seq:  # nothing was live: nothing written
-                return [], self.gallery.version
-            if self.gallery.version == seq - 1:
-                self.gallery.apply_delete(rows, seq)
-                self._after_write()
-            else:
-                self._applied_after_commit(seq)
-            return rows, seq
+        before this one applied it. ([], version) when none was live ([], seq with `keyed`:
+        that outcome recorded)."""
+        seq, rows = self._write(
+            lambda: self.store.delete(ids, label, keyed),
+            lambda seq, rows: rows and self.gallery.apply_delete(rows, seq),
+        )
+        return rows, seq or self.gallery.version
 
     def relabel(
         self, ids: list[int], label: str, keyed: Keyed | None = None
     ) -> tuple[list[Relabelled], int]:
         """Move the live items among `ids` to `label` (as the store has them); ([], version)
-        when none was live under another label."""
+        when every live one has it already; records.Refused item_unknown when none is live."""
         return self._correct(lambda: self.store.relabel(ids, label, keyed), label)
 
     def rename(
         self, old: str, new: str, merge: bool = False, keyed: Keyed | None = None
     ) -> tuple[list[Relabelled], int]:
         """Every live item of `old` moved to `new` (a rename, or with `merge` a merge into
-        `new`: records.LabelConflict when `new` has items, or has none); ([], version) when
-        `old` has none."""
+        `new`: records.Refused when `new` has items, or has none); ([], version) when `old`
+        has none."""
         return self._correct(lambda: self.store.rename(old, new, merge, keyed), new)
 
     def name_queued(
@@ -145,31 +153,27 @@ class ServiceState:
         """The queued queries among `ids` become items of `label` (store.name_queued: one
         add) and are applied here: (new ids, the queued rows named, seq); ([], [], version)
         when none is queued."""
-        with self.write_lock:
-            with self._store_write():
-                seq, new, queued = self.store.name_queued(ids, label, keyed)
-            if not seq:
-                return [], [], self.gallery.version
-            if self.gallery.version == seq - 1:
+
+        def commit():
+            seq, new, queued = self.store.name_queued(ids, label, keyed)
+            return seq, (new, queued)
+
+        def apply(seq, result):
+            new, queued = result
+            if queued:
                 emb = np.stack([q.embedding for q in queued])
                 self.gallery.apply_add(new, label, emb, seq, [q.world for q in queued])
-                self._after_write()
-            else:
-                self._applied_after_commit(seq)
-            return new, queued, seq
+
+        seq, (new, queued) = self._write(commit, apply)
+        return new, queued, seq or self.gallery.version
 
     def _correct(self, write, label: str) -> tuple[list[Relabelled], int]:
-        with self.write_lock:
-            with self._store_write():
-                seq, moved = write()
-            if not seq:
-                return [], self.gallery.version
-            if self.gallery.version == seq - 1:
+        def apply(seq, moved):
+            if moved:
                 self.gallery.apply_relabel(moved, label, seq)
-                self._after_write()
-            else:
-                self._applied_after_commit(seq)
-            return moved, seq
+
+        seq, moved = self._write(write, apply)
+        return moved, seq or self.gallery.version
 
     @contextlib.contextmanager
     def _store_write(self):
@@ -216,13 +220,11 @@ class ServiceState:
         if cs.floor > g.version > 0:
             self._rebuild_locked(cs.floor)
             return g.version
+        applied = g.version  # (a write may be two changes: a carry's adds and deletes)
         for c in cs.changes:
-            if c.seq <= g.version:
+            if c.seq <= applied:
                 continue
-            if c.op == "add":
-                g.apply_add(c.ids, c.label, c.embeddings, c.seq, c.worlds, c.sources)
-            else:
-                g.apply_delete(c.rows, c.seq)
+            g.apply(c)  # (by its kind: an add, a correction, a carry's write, a delete)
             self._after_write()
         # writes that changed no item (a delete of ids already gone) move the version too
         g.version = max(g.version, cs.last_seq)

@@ -13,6 +13,7 @@ takes exclusively, so no reader ever sees a half-applied write.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,9 @@ from service.gallery.query import VoteQuery
 from service.gallery.rows import LabelStats, Rows
 from service.gallery.vectors import VectorIndex
 from service.gallery.world import NO_CHECK, Worlds, WorldVerdict
-from service.store.records import Item, Relabelled
+from service.store.records import Change, Item, Relabelled
+
+log = logging.getLogger("snca.service")
 
 # The rules are stateless: one instance each.
 RULES_BY_NAME: dict[str, VoteRule] = {name: cls() for name, cls in RULES.items()}
@@ -137,13 +140,30 @@ class Gallery:
                     self.worlds.added(c, idarr[added], [group[i].world for i in added])
             self._recalibrate([self.stats.ids[name] for name in by_label])
 
+    def apply(self, c: Change) -> None:
+        """A write of the store's log that another process made (the follower reads it), by its
+        kind (store/records.py Change): an add's items added; a correction's moved, and those
+        added after this replica's version and moved since added under their new label; a
+        carry's (mixed) each by whether this replica holds it; a delete's removed."""
+        if c.op == "delete":
+            self.apply_delete(c.rows, c.seq)
+            return
+        if c.op == "add" and any(self.rows.has(x) for x in c.ids):
+            log.error(
+                "write %d adds items this replica holds already (ids %s): moved, not added again",
+                c.seq,
+                [x for x in c.ids if self.rows.has(x)][:10],
+            )
+        self.apply_add(c.ids, c.label, c.embeddings, c.seq, c.worlds, c.sources)
+
     def apply_add(
         self, ids: list[int], label: str, emb: np.ndarray, seq: int, stats=None, sources=None
     ) -> None:
         """Items the store committed as write `seq` under `label` (added through the service,
         unless `sources` says), with their world statistics (rows of (D,) or None) when
         known. An id this replica holds already was moved to `label` by a correction (the
-        store's relabel, rename, merge): it is moved here, its vector stays."""
+        store's relabel, rename, merge): it is moved here, its vector stays. A vector the
+        index holds already is never added again (_lacking)."""
         held = [i for i, x in enumerate(ids) if self.rows.has(x)]
         if held:
             worlds = [None] * len(ids) if stats is None else list(stats)
@@ -158,7 +178,8 @@ class Gallery:
             stats = None if stats is None else [stats[i] for i in rest]
         with self.lock.write():
             idarr = np.asarray(ids, dtype=np.int64)
-            self.vectors.add(idarr, emb)
+            lacking = self._lacking(idarr)
+            self.vectors.add(idarr[lacking], np.asarray(emb)[lacking])
             c = self.stats.id_of(label)
             self.rows.append(idarr, c, emb)
             self.stats.add(c, emb, len(ids))
@@ -169,6 +190,21 @@ class Gallery:
             self.worlds.added(c, idarr, stats)
             self._recalibrate([c])
             self.version = max(self.version, seq)
+
+    def _lacking(self, ids: np.ndarray) -> np.ndarray:
+        """(n,) bool: which of `ids` (that the rows lack) the index lacks too. While the index
+        holds as many vectors as the rows hold live items (start-up checks they hold the same
+        ids: service/startup.py), an id the rows lack is not in the index: no lookup; else
+        each id is looked up (a vector held already is not added again)."""
+        if self.vectors.live_count() == self.size():
+            return np.ones(len(ids), dtype=bool)
+        lacking = ~self.vectors.holds(ids)
+        if not lacking.all():
+            log.error(
+                "the index holds vectors of items the gallery's rows lack (ids %s): kept once",
+                ids[~lacking][:10].tolist(),
+            )
+        return lacking
 
     def replace(self, vectors: VectorIndex, items: list[Item], version: int) -> None:
         """Everything anew (a replica that rebuilt from the store): index, rows, statistics."""

@@ -138,6 +138,25 @@ def load_snapshot(
         return _load(Path(data_dir), fingerprint, index_id, max_seq, token_at)
 
 
+def discard_snapshot(data_dir: Path, seq: int) -> bool:
+    """Remove the data dir's snapshot if it is still the one at write `seq` (found to disagree
+    with the store: service/startup.py load_gallery); a newer one another process wrote
+    meanwhile stays. Whether it was removed."""
+    d = Path(data_dir) / SNAPSHOT_DIR
+    with data_dir_lock(data_dir):
+        try:
+            if int(json.loads((d / "snapshot.json").read_text())["seq"]) != seq:
+                return False
+        except (OSError, ValueError, KeyError):
+            return False
+        try:
+            shutil.rmtree(d)
+        except OSError as e:  # (a read-only data dir: the next start checks it again)
+            log.warning("cannot remove the snapshot %s: %s", d, e)
+            return False
+    return True
+
+
 def _load(
     data_dir: Path, fingerprint: str, index_id: str, max_seq: int, token_at
 ) -> Snapshot | None:

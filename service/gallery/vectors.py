@@ -34,27 +34,50 @@ class VectorIndex:
         )
 
     def vector(self, item_id: int) -> np.ndarray:
-        """(d,) the stored vector of an item (an IVF index gets its direct map once: it
-        reconstructs by list and offset only with it)."""
-        try:
-            return self.index.reconstruct(int(item_id))
-        except RuntimeError:
-            ivf = faiss.try_extract_index_ivf(faiss.downcast_index(self.index.index))
-            if ivf is None:
-                raise
+        """(d,) the stored vector of an item; RuntimeError when the index does not hold it (an
+        IVF index gets its direct map once: it reconstructs by list and offset only with it)."""
+        ivf = faiss.try_extract_index_ivf(faiss.downcast_index(self.index.index))
+        if ivf is not None and ivf.direct_map.no():
             ivf.make_direct_map()
-            return self.index.reconstruct(int(item_id))
+        return self.index.reconstruct(int(item_id))
 
     def held(self) -> set[int]:
         """The ids the index holds and has not tombstoned (read once at start-up)."""
         return set(faiss.vector_to_array(self.index.id_map).tolist()) - self.tombstones
 
+    def ids(self) -> np.ndarray:
+        """(n,) int64 the id of every vector not tombstoned, in the index's order (an id held
+        twice is there twice)."""
+        out = faiss.vector_to_array(self.index.id_map).astype(np.int64)
+        if self.tombstones:
+            out = out[~np.isin(out, np.fromiter(self.tombstones, np.int64))]
+        return out
+
+    def live_count(self) -> int:
+        """Vectors not tombstoned (equal to the gallery's live items while the two agree)."""
+        return int(self.index.ntotal) - len(self.tombstones)
+
+    def holds(self, ids: np.ndarray) -> np.ndarray:
+        """(n,) bool: which of `ids` the index holds (tombstoned or not); one lookup each."""
+        out = np.zeros(len(ids), dtype=bool)
+        for k, i in enumerate(np.asarray(ids, dtype=np.int64).tolist()):
+            try:
+                self.vector(i)
+                out[k] = True
+            except RuntimeError:
+                pass
+        return out
+
+    def removable(self) -> bool:
+        """Whether remove() takes vectors out (flat codes) rather than tombstoning them."""
+        inner = faiss.downcast_index(getattr(self.index, "index", self.index))
+        return isinstance(inner, faiss.IndexFlatCodes)
+
     def remove(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):
             return
-        inner = faiss.downcast_index(getattr(self.index, "index", self.index))
-        if isinstance(inner, faiss.IndexFlatCodes):
+        if self.removable():
             try:
                 self.index.remove_ids(ids)
                 return

@@ -314,17 +314,24 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
     app.state.admission = admission = Admission(settings, host.metrics)
     host.on_ready.append(admission.attach)
     app.state.review = None  # the review queue (service/review/), once the gallery is open
+    app.state.keys = KeyRing.from_settings(settings)  # (cli checked it before binding the port)
 
     def open_review(state) -> None:
         if settings.review_queue and app.state.review is None:
             store_of = lambda: host.state.store  # noqa: E731 (a migration replaces it)
             app.state.review = ReviewQueue(store_of, settings, state.runtime.embedder.dim)
+            if not app.state.keys.enabled:
+                log.warning(
+                    "the review queue keeps the queries it could not name (thumbnails%s) and, "
+                    "with no API key set, anyone who can reach the service can see them "
+                    "(GET /review): set SNCA_API_KEY (or SNCA_API_KEYS) to need a key",
+                    " and uploads" if settings.review_keep_images else "",
+                )
 
     host.on_ready.append(open_review)
     if host.state is not None:  # (opened and finished before the app: snca-serve)
         admission.attach(host.state)
         open_review(host.state)
-    app.state.keys = KeyRing.from_settings(settings)  # (cli checked it before binding the port)
     routers = (classify, gallery, corrections, suggestions, review, search, ops, page)
     for r in (m.router for m in routers):
         app.include_router(r)
@@ -352,7 +359,8 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
     async def _model_down(request: Request, e: ModelUnavailable):
         detail = f"{e}; retry shortly (nothing was changed)"
         extra = {"committed": False}
-        return problems.response(503, "model_unavailable", detail, {"Retry-After": "1"}, extra)
+        headers = {"Retry-After": str(e.retry_after)}  # (model_unavailable, model_busy)
+        return problems.response(503, e.code, detail, headers, extra)
 
     @app.exception_handler(StoreUnavailable)
     async def _store_error(request: Request, e: StoreUnavailable):

@@ -15,7 +15,10 @@ from service.http.waits import ClientGone
 from service.startup import ServiceHost
 from service.state import ServiceState
 
-Access = Literal["public", "read", "write"]
+# public: never a key; read: a key when reads are protected; private: reads of what callers
+# sent (the review queue's stored queries): a key of either scope whenever any key is
+# configured, protected reads or not; write: a write key when keys are configured
+Access = Literal["public", "read", "private", "write"]
 ACCESS_KEY = "x-snca-access"  # the OpenAPI extension that carries a route's access level
 KEY_HEADER = "X-API-Key"
 KEY_SCHEME = {
@@ -26,14 +29,16 @@ KEY_SCHEME = {
         "description": "a key of scope `write` (SNCA_API_KEY, or `write:` in SNCA_API_KEYS) "
         "for every route; of scope `read` for the read routes only (a write route answers it "
         "403 insufficient_scope). Read routes need a key when SNCA_PROTECT_READS is set or a "
-        "read key is configured.",
+        "read key is configured; the review queue's (stored queries of other callers) "
+        "whenever any key is configured.",
     }
 }
 
 
 def access(level: Access, **openapi: object) -> dict:
     """openapi_extra of a route with this access level: `write` needs a write key when keys
-    are configured, `read` a read or write key when reads are protected, `public` never."""
+    are configured, `private` a read or write key when keys are configured, `read` a read or
+    write key when reads are protected, `public` never."""
     return {ACCESS_KEY: level, **openapi}
 
 

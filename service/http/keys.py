@@ -164,7 +164,7 @@ class KeyRing:
         return found
 
     def needs_key(self, level: str) -> bool:
-        """Whether a route of `level` (public, read, write) needs a key now."""
+        """Whether a route of `level` (public, read, private, write) needs a key now."""
         if level == "public" or not self.enabled:
             return False
-        return level == "write" or self.reads_protected
+        return level in ("write", "private") or self.reads_protected

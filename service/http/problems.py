@@ -55,6 +55,9 @@ CODES = {
     "model_unavailable": "the worker's model process stopped, or did not answer within "
     "SNCA_MODEL_TIMEOUT_S, and a new one is starting (nothing was changed: `committed` false); "
     "retry after Retry-After",
+    "model_busy": "the worker's model process has more queued than it does within "
+    "SNCA_MODEL_QUEUE_S (or SNCA_MODEL_QUEUE_MAX jobs): refused before waiting (nothing was "
+    "changed); retry after Retry-After",
     "write_not_applied": "the write was committed (`committed` true, its `gallery_version`) but "
     "is not applied where the answer comes from yet (the model process did not answer in time, "
     "or the store could not be read right after the commit); retry with the same "

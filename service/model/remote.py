@@ -50,6 +50,7 @@ from service.model.wire import (
     ClassifyJob,
     EmbedJob,
     FrameReader,
+    ModelBusy,
     ModelUnavailable,
     SyncJob,
     frame,
@@ -83,6 +84,14 @@ class RemoteRuntime(Runtime):
         self._sent: dict[int, float] = {}  # job id -> when it was sent (the watchdog's bound)
         self.timeout = float(settings.model_timeout_s)
         self.stalls = 0  # model processes killed for not answering within the timeout
+        # progress, not age, says whether the process is hung (_silence): when it last answered
+        self._answered_at = time.monotonic()
+        # the work queued to it is bounded (_admit): in jobs, and in the wait it means at the
+        # recent seconds per job (an average over its batches while it had work)
+        self.queue_s = float(settings.model_queue_s)
+        self.queue_max = int(settings.model_queue_max)
+        self._per_job = 0.0
+        self.refused = 0  # requests answered 503 model_busy
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: asyncio.Transport | None = None
@@ -193,6 +202,7 @@ class RemoteRuntime(Runtime):
         )
         self._transport = transport
         self._connected = sock  # (the transport's wrapper refuses shutdown(); close uses this)
+        self._answered_at = time.monotonic()
         self._down = None
 
     def _set_down(self, why: str) -> None:
@@ -203,13 +213,22 @@ class RemoteRuntime(Runtime):
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._lost, None, why)
 
+    def _silence(self, now: float) -> float:
+        """How long the model process has had work and answered none of it: since its last
+        answer or since the oldest job in flight was sent, whichever is later (0: no job in
+        flight). A process working through a long queue answers batch after batch: it is
+        busy, not hung, however old the oldest job waiting is."""
+        if not self._sent:
+            return 0.0
+        return now - max(self._answered_at, min(self._sent.values()))
+
     def _stalled(self, age: float) -> None:
-        """On the event loop: the oldest job has waited `age` s > the timeout: the model process
-        is stopped or hung. Every job in flight fails (503 model_unavailable), and the process
-        is killed so the supervisor starts another."""
+        """On the event loop: jobs have waited `age` s > the timeout with no answer at all: the
+        model process is stopped or hung. Every job in flight fails (503 model_unavailable),
+        and the process is killed so the supervisor starts another."""
         why = (
-            f"the model process has not answered for {age:.1f} s (stopped or hung, over "
-            f"SNCA_MODEL_TIMEOUT_S={self.timeout:g}); a new one is starting"
+            f"the model process has answered nothing for {age:.1f} s with jobs waiting (stopped "
+            f"or hung, over SNCA_MODEL_TIMEOUT_S={self.timeout:g}); a new one is starting"
         )
         log.error(why, extra={"fields": {"pid": self.pid()}})
         self.stalls += 1
@@ -220,20 +239,20 @@ class RemoteRuntime(Runtime):
                 proc.kill()  # (SIGKILL works on a stopped process too)
 
     async def _watchdog(self) -> None:
-        """Bounds every wait on the model process: a job older than the timeout fails the
-        process (_stalled); an idle process is pinged, so one that stopped answering is found
-        even with no request waiting (/readyz turns 503)."""
+        """Bounds every wait on the model process: jobs waiting with no answer at all for
+        longer than the timeout fail the process (_silence, _stalled); an idle process is
+        pinged, so one that stopped answering is found even with no request waiting (/readyz
+        turns 503)."""
         last_ping = 0.0
         while not self._closed:
             await asyncio.sleep(WATCH_S)
             if self._transport is None or self._down is not None:
                 continue
             now = time.monotonic()
-            if self._sent:
-                age = now - min(self._sent.values())
-                if age > self.timeout:
-                    self._stalled(age)
-                    continue
+            silent = self._silence(now)
+            if silent > self.timeout:
+                self._stalled(silent)
+                continue
             if not self._sent and now - last_ping >= PING_S:
                 last_ping = now
                 with contextlib.suppress(ModelUnavailable):
@@ -297,10 +316,10 @@ class RemoteRuntime(Runtime):
         """Why the model process cannot answer now (None: it can): down, restarting, or a job
         in flight for more than half the timeout (stopped or hung: /readyz says so before the
         watchdog gives up on it)."""
-        if self._down is None and self._sent:
-            age = time.monotonic() - min(self._sent.values(), default=time.monotonic())
-            if age > self.timeout / 2:
-                return f"the model process has not answered for {age:.1f} s"
+        if self._down is None:
+            silent = self._silence(time.monotonic())
+            if silent > self.timeout / 2:
+                return f"the model process has answered nothing for {silent:.1f} s"
         return self._down
 
     def migration_report(self) -> Report | None:
@@ -310,9 +329,36 @@ class RemoteRuntime(Runtime):
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
+    def counters(self) -> dict[str, int]:
+        """Model processes started again (`restarts`: died or killed), killed for answering
+        nothing for the timeout (`killed_hung`), requests refused with model_busy (`busy`),
+        jobs queued now (`queued`)."""
+        return {
+            "restarts": self.restarts,
+            "killed_hung": self.stalls,
+            "busy": self.refused,
+            "queued": len(self._sent),
+        }
+
     def serve(self, gallery, vote: str | None = None, k: int | None = None) -> None:
         """The front's replica: each job asks the model process for at least its version."""
         self.gallery = gallery
+
+    def _admit(self, n: int) -> None:
+        """Refuse `n` new jobs (ModelBusy: 503 model_busy, before anything waits) when the
+        queue would pass SNCA_MODEL_QUEUE_MAX jobs, or when what is queued already takes the
+        process longer than SNCA_MODEL_QUEUE_S at its recent seconds per job."""
+        queued = len(self._sent)
+        wait = (queued + n) * self._per_job
+        if queued + n <= self.queue_max and wait <= self.queue_s:
+            return
+        self.refused += 1
+        why = (
+            f"the model process has {queued} jobs queued (about {queued * self._per_job:.1f} s "
+            f"of work; bounds: SNCA_MODEL_QUEUE_S={self.queue_s:g}, "
+            f"SNCA_MODEL_QUEUE_MAX={self.queue_max})"
+        )
+        raise ModelBusy(why, max(1, int(wait - self.queue_s + 0.999)))
 
     def _send(self, job, payload: bytes = b"") -> asyncio.Future:
         """Send a job record (service/model/wire.py); the future of its result's value."""
@@ -332,6 +378,7 @@ class RemoteRuntime(Runtime):
     ) -> list[Answer]:
         v, q = self._version(), query
         labels = None if q.labels is None else list(q.labels)
+        self._admit(len(prepared))
         futs = [
             self._send(
                 ClassifyJob(next(self._ids), v, q.vote, q.k, labels, q.neighbors, tpr),
@@ -342,6 +389,7 @@ class RemoteRuntime(Runtime):
         return [_answer(r, tpr, self.settings) for r in await asyncio.gather(*futs)]
 
     async def embed(self, p: Prepared) -> np.ndarray:
+        self._admit(1)
         return await self._send(EmbedJob(next(self._ids), self._version()), _raw(p.pixels))
 
     async def sync(self, seq: int) -> int:
@@ -362,10 +410,17 @@ class RemoteRuntime(Runtime):
             raise WriteNotApplied(seq, why) from None
 
     def _results(self, batch: Batch, payload: bytes) -> None:
-        """On the event loop: one batch's results."""
+        """On the event loop: one batch's results (progress: the watchdog's clock restarts;
+        the seconds per job it took feed the queue's bound)."""
         if self.on_batch is not None and batch.size:
             with contextlib.suppress(Exception):
                 self.on_batch(batch.size, batch.waited)
+        now = time.monotonic()
+        sent = [t for r in batch.results if (t := self._sent.get(r.id)) is not None]
+        if batch.size and sent:  # (its work began at the last answer, or when it was sent)
+            took = (now - max(self._answered_at, min(sent))) / len(batch.results)
+            self._per_job = took if not self._per_job else 0.8 * self._per_job + 0.2 * took
+        self._answered_at = now
         for r in batch.results:
             self._sent.pop(r.id, None)
             fut = self._futures.pop(r.id, None)

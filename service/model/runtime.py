@@ -185,6 +185,10 @@ class Runtime(ABC):
     def pid(self) -> int | None:
         """The process that runs the model."""
 
+    def counters(self) -> dict[str, int]:
+        """What /readyz says of the model's process beyond its state (none in this process)."""
+        return {}
+
     @abstractmethod
     async def answers(
         self, prepared: list[Prepared], query: VoteQuery, tpr: float | None

@@ -70,7 +70,22 @@ class FrameReader:
 # ---------------------------------------------------------------------------- the records
 class ModelUnavailable(Exception):
     """The model process is down, restarting or cannot serve now: the request is answered 503
-    `model_unavailable` + Retry-After."""
+    `code` + Retry-After `retry_after` seconds."""
+
+    code = "model_unavailable"
+    retry_after = 1
+
+
+class ModelBusy(ModelUnavailable):
+    """The model process has more work queued than it can do within SNCA_MODEL_QUEUE_S (or
+    SNCA_MODEL_QUEUE_MAX jobs): the request is answered 503 `model_busy` at once, before it
+    waits, with Retry-After `retry_after` seconds."""
+
+    code = "model_busy"
+
+    def __init__(self, why: str, retry_after: int):
+        super().__init__(why)
+        self.retry_after = retry_after
 
 
 # Jobs (front -> model). `model_job(pixels)`: what the model thread runs (None: nothing, the

@@ -25,9 +25,9 @@ from service.store.records import (
     Item,
     ItemRow,
     Keyed,
-    LabelConflict,
     NothingChanged,
     Queued,
+    Refused,
     Relabelled,
     Replayed,
     StoreCarriedAway,
@@ -243,6 +243,38 @@ class Store(ABC):
 
     _pruned_at = -1e9
 
+    def _nothing(self, conn, keyed: Keyed | None, seq: int, outcome: dict, empty):
+        """Inside a write that changes nothing in the gallery: without a key, rolled back (no
+        seq taken); with one, its outcome recorded by this write (committed with a seq and a
+        log row of no items: a retry, on any replica or after a carry, is answered alike, and
+        the key cannot be used for another request). `empty`: the write's result."""
+        if keyed is None:
+            raise NothingChanged(empty)
+        self._keyed(conn, keyed, seq, outcome)
+        return empty
+
+    def _refusing(self, fn, op: str, count, keyed: Keyed | None):
+        """self.transaction(fn, op, count) where fn may raise Refused before it writes: without
+        a key rolled back and raised; with one, the refusal is recorded as the key's outcome,
+        committed, then raised with the write's seq."""
+        refused: list[Refused] = []
+
+        def body(conn, seq):
+            try:
+                return fn(conn, seq)
+            except Refused as e:
+                if keyed is None:
+                    raise
+                self._keyed(conn, keyed, seq, {"op": op, "refused": [e.code, str(e)]})
+                refused.append(e)
+                return []
+
+        seq, result = self.transaction(body, op, count)
+        if refused:
+            refused[0].seq = seq
+            raise refused[0]
+        return seq, result
+
     def add(
         self,
         label: str,
@@ -275,7 +307,8 @@ class Store(ABC):
     ) -> tuple[int, list[tuple[int, str, np.ndarray, str]]]:
         """Mark deleted the live items among `ids`, or every live item of `label`, as the store
         has them now (not as a lagging replica remembers them); return (seq, [(id, label,
-        embedding, source)]), (0, []) when none was live (nothing written). Deletes leave
+        embedding, source)]); when none was live (0, []), nothing written, or with `keyed`
+        (seq, []), that outcome recorded (_nothing). Deletes leave
         tombstones: a label's (a carry to another model deletes the label's trained items there
         too, whichever images that model's index holds) and each trained image's deleted by id
         (its dataset and dataset index), so no carry brings them back."""
@@ -283,7 +316,8 @@ class Store(ABC):
         def fn(conn, seq):
             rows = self._mark_deleted(conn, seq, ids, label)
             if not rows:
-                raise NothingChanged([])
+                outcome = {"op": "delete", "rows": [], "label": label}
+                return self._nothing(conn, keyed, seq, outcome, [])
             tomb = self.dialect.q(sql.UPSERT_TOMBSTONE)
             if label is not None:  # (covers its trained items)
                 conn.execute(tomb, ("label", label, seq))
@@ -310,11 +344,12 @@ class Store(ABC):
         self, ids: list[int], label: str, keyed: Keyed | None = None
     ) -> tuple[int, list[Relabelled]]:
         """Move the live items among `ids` (trained or added) to `label`, as the store has
-        them now; return (seq, the items moved, with their label before), (0, []) when none
-        was live under another label (nothing written). Each moved row's add_seq becomes this
-        write's seq: the followers' log read brings it as an add of an id they hold, which
-        they apply as a move (service/gallery/gallery.py apply_add); a carry moves the
-        item's copy (an added item by id, a trained one by its dataset index)."""
+        them now; return (seq, the items moved, with their label before); when every live one
+        has `label` already (0, []), nothing written, or with `keyed` (seq, []), that outcome
+        recorded (_nothing); Refused item_unknown when none is live. Each moved row's add_seq
+        becomes this write's seq: the followers' log read brings it as a correction (log op
+        relabel), which they apply as a move (service/gallery/gallery.py apply); a carry moves
+        the item's copy (an added item by id, a trained one by its dataset index)."""
 
         def fn(conn, seq):
             rows = []
@@ -322,9 +357,14 @@ class Store(ABC):
                 chunk = [int(i) for i in ids[s : s + sql.CHUNK]]
                 q = sql.ids_in(self.dialect, sql.LIVE_ROWS_OF_IDS, chunk)
                 rows += conn.execute(q, chunk).fetchall()
+            if not rows:
+                shown = ", ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
+                raise Refused("item_unknown", f"no live item among {shown}")
             moved = sorted((relabelled(r) for r in rows if r[1] != label), key=lambda m: m.id)
-            if not moved:
-                raise NothingChanged([])
+            if not moved:  # (every one has the label already)
+                return self._nothing(
+                    conn, keyed, seq, {"op": "relabel", "rows": [], "label": label}, []
+                )
             conn.cursor().executemany(
                 self.dialect.q(sql.SET_LABEL), [(label, seq, m.id) for m in moved]
             )
@@ -336,39 +376,41 @@ class Store(ABC):
             self._keyed(conn, keyed, seq, outcome)
             return moved
 
-        return self.transaction(fn, "relabel", len)
+        return self._refusing(fn, "relabel", len, keyed)
 
     def rename(
         self, old: str, new: str, merge: bool = False, keyed: Keyed | None = None
     ) -> tuple[int, list[Relabelled]]:
         """Every live item of label `old` moved to `new`: a rename (`new` must have no live
-        item: LabelConflict label_exists) or, `merge`, a merge into `new` (which must have
-        one: LabelConflict label_unknown); (0, []) when `old` has none (nothing written). A
-        row of label_changes goes with it: a carry into another model's gallery renames that
-        gallery's trained items of `old` too, whichever images its index holds."""
+        item: Refused label_exists) or, `merge`, a merge into `new` (which must have one:
+        Refused label_unknown); when `old` has none (0, []), nothing written, or with `keyed`
+        (seq, []), that outcome recorded (_nothing). A row of label_changes goes with it: a
+        carry into another model's gallery renames that gallery's trained items of `old` too,
+        whichever images its index holds."""
+        op = "merge" if merge else "rename"
 
         def fn(conn, seq):
             d = self.dialect
+            moved = [relabelled(r) for r in conn.execute(d.q(sql.LIVE_ROWS_OF_LABEL), (old,))]
+            if not moved:  # (first: what is renamed must exist, whatever the new name)
+                outcome = {"op": op, "from": old, "label": new, "count": 0}
+                return self._nothing(conn, keyed, seq, outcome, [])
             exists = conn.execute(d.q(sql.HAS_LABEL), (new,)).fetchone() is not None
             if exists and not merge:
-                raise LabelConflict(
+                raise Refused(
                     "label_exists",
                     f"label {new!r} has items already: merge {old!r} into it instead",
                 )
             if merge and not exists:
-                raise LabelConflict("label_unknown", f"no live items with label {new!r}")
-            moved = [relabelled(r) for r in conn.execute(d.q(sql.LIVE_ROWS_OF_LABEL), (old,))]
-            if not moved:
-                raise NothingChanged([])
+                raise Refused("label_unknown", f"no live items with label {new!r}")
             conn.execute(d.q(sql.RENAME_LABEL), (new, seq, old))
             conn.execute(d.q(sql.INSERT_LABEL_CHANGE), (seq, "label", old, new))
-            op = "merge" if merge else "rename"
             self._keyed(
                 conn, keyed, seq, {"op": op, "from": old, "label": new, "count": len(moved)}
             )
             return moved
 
-        return self.transaction(fn, "merge" if merge else "rename", len)
+        return self._refusing(fn, op, len, keyed)
 
     # ------------------------------------------------------------------ the review queue
     def queue(self, rows: list[Queued], max_items: int, max_bytes: int, keep_s: float) -> int:
@@ -388,6 +430,7 @@ class Store(ABC):
 
         def fn(conn):
             d = self.dialect
+            self._take_turns(conn, "review")  # (the totals below count every writer's rows)
             if values:
                 conn.cursor().executemany(d.q(sql.INSERT_REVIEW), values)
             dropped = max(0, conn.execute(d.q(sql.REVIEW_EXPIRED), (_ago(keep_s),)).rowcount)
@@ -402,10 +445,18 @@ class Store(ABC):
                 n, b = n - 1, b - int(size)
             for s in range(0, len(gone), sql.CHUNK):
                 chunk = gone[s : s + sql.CHUNK]
-                conn.execute(sql.ids_in(d, sql.REVIEW_DELETE, chunk), chunk)
-            return dropped + len(gone)
+                dropped += max(
+                    0, conn.execute(sql.ids_in(d, sql.REVIEW_DELETE, chunk), chunk).rowcount
+                )
+            return dropped
 
         return self.plain(fn)
+
+    def _take_turns(self, conn, what: str) -> None:
+        """Inside a transaction: until it ends, every other process's transaction that takes
+        turns on `what` waits (bookkeeping that reads totals, then writes by them). Nothing
+        here: a backend whose write transactions already take turns (SQLite's IMMEDIATE)."""
+        return None
 
     def queued(self, limit: int) -> list[Queued]:
         """The newest `limit` rows of the review queue (without thumbnails and images)."""
@@ -446,7 +497,8 @@ class Store(ABC):
     ) -> tuple[int, list[int], list[Queued]]:
         """The queued queries among `ids` become items of `label` and leave the queue, in one
         write (an add: in the log, followed, carried); (seq, new item ids, the rows named, in
-        the new ids' order), (0, [], []) when none is queued any more (nothing written)."""
+        the new ids' order); when none is queued any more (0, [], []), nothing written, or with
+        `keyed` (seq, [], []), that outcome recorded (_nothing)."""
         now = utc_now()
 
         def fn(conn, seq):
@@ -458,7 +510,8 @@ class Store(ABC):
                 ).fetchall()
             queued = sorted((_queued(r) for r in rows), key=lambda q: q.id)
             if not queued:
-                raise NothingChanged(([], []))
+                outcome = {"op": "name", "ids": [], "label": label, "queued": []}
+                return self._nothing(conn, keyed, seq, outcome, ([], []))
             new = self._next_ids(conn, len(queued))
             emb = np.stack([q.embedding for q in queued])
             md = [{"review": {"queued_at": q.created_at, "answered": q.answer}} for q in queued]
@@ -597,6 +650,18 @@ class StoreReader:
 
     def last_seq(self) -> int:
         return int(self.conn.execute(sql.LAST_SEQ).fetchone()[0])
+
+    def meta(self) -> dict[str, str]:
+        return dict(self.conn.execute(sql.META).fetchall())
+
+    def live_items(self) -> list[Item]:
+        """Every live item, in id order (as Store.live_items)."""
+        return live_items(self.conn.execute(self.d.q(sql.LIVE_ITEMS), (-1, 2**62)).fetchall())
+
+    def deleted_after(self, seq: int) -> list[tuple[int, str, np.ndarray, int]]:
+        """As Store.deleted_after."""
+        rows = self.conn.execute(self.d.q(sql.DELETED_AFTER), (seq,)).fetchall()
+        return [(r[0], r[1], vec(r[2]), r[3]) for r in rows]
 
     def added_items(self, after_id: int, limit: int) -> list[StoredItem]:
         rows = self.conn.execute(self.d.q(sql.ADDED_ITEMS), (after_id, limit)).fetchall()

@@ -217,7 +217,7 @@ class Carry:
             tgt.set_meta(conn, "next_id", str(next_id))
             self._bury(conn, wseq, tombs, gone)
             self._with_moves(moves)(conn, wseq)  # (after the renames: the rows are the truth)
-            self._copy_requests(conn, requests)
+            self._copy_requests(conn, requests, wseq)
             self._save(conn, st, wseq)
 
         self._write(fn)
@@ -471,7 +471,16 @@ class Carry:
             items = src.added_items(int(st["after_id"]), self.batch)
             if not items:
                 st["backfilled"] = True
-                self._save_plain(st)
+                if self._renumbered():  # (the records from before begin, once their ids are)
+                    reqs = src._select(src.dialect.q(REQUESTS_UPTO), (int(st["source_seq"]),))
+                    self._write(
+                        lambda conn, seq, reqs=reqs: (
+                            self._copy_requests(conn, reqs, seq),
+                            self._save(conn, st, seq),
+                        )
+                    )
+                else:
+                    self._save_plain(st)
                 break
             st["after_id"] = items[-1].id
             self._add(items, st)
@@ -484,16 +493,47 @@ class Carry:
         d = self.source.store.dialect
         meta = dict(read(sql.META))
         rows = read(d.q(sql.CHANGES), (after, after, after))
+        ops = dict(read(d.q(sql.LOG_OPS_AFTER), (after,)))
         return ChangeSet(
-            int(meta["last_seq"]), int(meta.get("log_floor", 0)), changes_from_rows(rows, after)
+            int(meta["last_seq"]),
+            int(meta.get("log_floor", 0)),
+            changes_from_rows(rows, after, ops),
         )
 
-    def _copy_requests(self, conn, rows) -> None:
-        """Idempotency records of the source into the target (inside a target write)."""
-        if rows and not self._renumbered():
-            conn.cursor().executemany(
-                self.target.store.dialect.q(sql.UPSERT_REQUEST), [tuple(r) for r in rows]
-            )
+    def _copy_requests(self, conn, rows, seq: int) -> None:
+        """Idempotency records of the source into the target, inside the target's write `seq`,
+        which they then name (a record's seq is a write of the gallery that holds it: a later
+        carry from the target copies it by the target's own log; a retry answered from it
+        reports a version of the target). With ids renumbered, the ids an outcome names are
+        given in the target's numbering (-1: an item gone before it could be carried)."""
+        if not rows:
+            return
+        rows = [(r[0], r[1], int(seq), r[3], r[4]) for r in rows]
+        if self._renumbered():
+            rows = self._renumber_outcomes(conn, rows)
+        conn.cursor().executemany(self.target.store.dialect.q(sql.UPSERT_REQUEST), rows)
+
+    def _renumber_outcomes(self, conn, rows: list[tuple]) -> list[tuple]:
+        """Records whose outcomes' ids ("ids"; "rows" of [id, label]) are mapped through the
+        carried table (read on the target write's `conn`: this write's mappings included)."""
+        outcomes = [json.loads(r[3]) for r in rows]
+        ids = sorted(
+            {int(i) for o in outcomes for i in o.get("ids", [])}
+            | {int(x[0]) for o in outcomes for x in o.get("rows", [])}
+        )
+        new: dict[int, int] = {}
+        for s in range(0, len(ids), sql.CHUNK):
+            chunk = ids[s : s + sql.CHUNK]
+            q = "SELECT old_id, new_id FROM carried WHERE old_id IN ({ids})"
+            new |= dict(conn.execute(sql.ids_in(self.target.store.dialect, q, chunk), chunk))
+        out = []
+        for r, o in zip(rows, outcomes, strict=True):
+            if "ids" in o:
+                o["ids"] = [new.get(int(i), -1) for i in o["ids"]]
+            if "rows" in o:
+                o["rows"] = [[new.get(int(x[0]), -1), *x[1:]] for x in o["rows"]]
+            out.append((r[0], r[1], r[2], json.dumps(o, sort_keys=True), r[4]))
+        return out
 
     def follow(self, st: dict, read: Read | None = None) -> int:
         """Apply the source's writes after st["source_seq"]; how many there were. `read`: the
@@ -531,9 +571,9 @@ class Carry:
 
             def extra(conn, seq, tomb=tomb, keyed=keyed):
                 self._bury(conn, seq, tomb, [])
-                self._copy_requests(conn, keyed)
+                self._copy_requests(conn, keyed, seq)
 
-            if c.op == "add":
+            if c.op != "delete":  # (new items, or moved ones: _add tells them apart by id)
                 items = stored_items(_rows_of_ids(read, d, sql.STORED_OF_IDS, c.ids))
                 trained = [r for r in (c.sources or []) if r == "trained"]
                 if trained:  # a correction moved trained items: the target's, by dataset key
@@ -547,7 +587,7 @@ class Carry:
 
                 def fn(conn, seq, ids=ids, tomb=tomb, keyed=keyed):
                     self._bury(conn, seq, tomb, ids)
-                    self._copy_requests(conn, keyed)
+                    self._copy_requests(conn, keyed, seq)
                     self._save(conn, st, seq)
 
                 self._write(fn)
@@ -559,7 +599,7 @@ class Carry:
 
                 def rest(conn, seq):
                     self._bury(conn, seq, tomb, [])
-                    self._copy_requests(conn, keyed)
+                    self._copy_requests(conn, keyed, seq)
                     self._save(conn, st, seq)
 
                 self._write(rest)
@@ -598,7 +638,7 @@ class Carry:
         def fn(conn, seq):
             self._bury(conn, seq, tombs, gone)
             self._with_moves(moves)(conn, seq)
-            self._copy_requests(conn, requests)
+            self._copy_requests(conn, requests, seq)
             self._save(conn, st, seq)
 
         self._write(fn)

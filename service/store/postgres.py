@@ -55,6 +55,7 @@ log = logging.getLogger("snca.store")
 CHANNEL = "snca_gallery"
 SEED_LOCK = 0x736E6361  # pg_advisory_xact_lock key ("snca")
 CARRY_LOCK = 0x736E6363  # pg_advisory_lock key of carries and switches ("sncc")
+TURNS_LOCK = 0x736E6374  # pg_advisory_xact_lock(key, what) of Store._take_turns ("snct")
 CONNECT_TIMEOUT_S = 3
 
 
@@ -531,13 +532,14 @@ class PostgresStore(Store):
                 ).fetchall()
             )
             rows = conn.execute(D.q(sql.CHANGES), (after, after, after)).fetchall()
-            return meta, rows
+            ops = dict(conn.execute(D.q(sql.LOG_OPS_AFTER), (after,)).fetchall())
+            return meta, rows, ops
 
-        meta, rows = self._run(fn)  # (records.vec reads psycopg's memoryviews as they are)
+        meta, rows, ops = self._run(fn)  # (records.vec reads psycopg's memoryviews as they are)
         return ChangeSet(
             int(meta["last_seq"]),
             int(meta.get("log_floor", 0)),
-            records.changes_from_rows(rows, after),
+            records.changes_from_rows(rows, after, ops),
             standby=meta.get(records.STANDBY),
         )
 
@@ -590,6 +592,15 @@ class PostgresStore(Store):
     def plain(self, fn):
         """fn(conn) in one transaction with no seq and no log row (SqliteStore.plain)."""
         return self._run(fn)
+
+    def _take_turns(self, conn, what: str) -> None:
+        """Store._take_turns: a transaction-level advisory lock of `what` in this gallery's
+        schema (READ COMMITTED transactions of two fronts otherwise each count the queue
+        without the other's rows and both keep it past its bound)."""
+        conn.execute(
+            "SELECT pg_advisory_xact_lock(%s, hashtext(current_schema() || %s))",
+            (TURNS_LOCK, what),
+        )
 
     def _next_ids(self, conn, n: int) -> list[int]:
         row = conn.execute("SELECT value FROM meta WHERE key = 'next_id' FOR UPDATE").fetchone()

@@ -103,14 +103,16 @@ class NothingChanged(Exception):
     seq taken (a delete of ids that are not live)."""
 
 
-class LabelConflict(Exception):
-    """A correction that cannot be made as asked (rolled back, nothing written): a rename onto
-    a label that has items (that is a merge), a merge into a label that has none. `code`: the
-    problem's code."""
+class Refused(Exception):
+    """A write that cannot be made as asked; nothing in the gallery changed: a rename onto a
+    label that has items (that is a merge), a merge into a label that has none, a relabel of
+    ids none of which is live. `code`: the problem's code (label_exists, label_unknown,
+    item_unknown). Without an Idempotency-Key it was rolled back (`seq` 0); with one, the
+    refusal is the key's outcome, recorded by write `seq` (a retry is refused alike)."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, seq: int = 0):
         super().__init__(message)
-        self.code = code
+        self.code, self.seq = code, seq
 
 
 @dataclass
@@ -187,20 +189,34 @@ class ItemRow:
     has_thumbnail: bool
 
 
+# How a follower applies a write's item rows, by the op of its log row (Store.transaction's
+# `op`): an add's rows are new items, a correction's (relabel, rename, merge) move items it
+# holds, a delete's are gone. Any other write (a carry into this gallery, a start-up migration)
+# may hold new items and moved ones in one write: "mixed", each id applied by whether the
+# replica holds it. A write with no log row (below the log's floor) is "mixed" too.
+KIND_OF_OP = {"add": "add", "relabel": "relabel", "rename": "relabel", "merge": "relabel"}
+
+
+def kind_of(op: str | None) -> str:
+    """The kind (add | relabel | mixed) of the item rows a write of log op `op` added."""
+    return KIND_OF_OP.get(op or "", "mixed")
+
+
 @dataclass
 class Change:
-    """One write of the log, as a follower applies it: an add (ids, label, embeddings; with a
-    correction, items the follower may hold already under another label: it moves them) or a
-    delete (rows: id, label, embedding, source)."""
+    """One write of the log, as a follower applies it, by `op`: "add" (new items: ids, label,
+    embeddings), "relabel" (items the follower holds, moved to `label` by a correction),
+    "mixed" (a carry's or migration's write: new items and moved ones, told apart by whether
+    the follower holds them) or "delete" (rows: id, label, embedding, source)."""
 
     seq: int
-    op: str  # add | delete
+    op: str  # add | relabel | mixed | delete
     ids: list[int]
     label: str | None = None
-    embeddings: np.ndarray | None = None  # (n, d) float32, adds
+    embeddings: np.ndarray | None = None  # (n, d) float32: add, relabel, mixed
     rows: list[tuple[int, str, np.ndarray, str]] | None = None  # deletes
-    worlds: list[np.ndarray | None] | None = None  # adds: each item's world statistics
-    sources: list[str] | None = None  # adds: each item's source (trained | added)
+    worlds: list[np.ndarray | None] | None = None  # each item's world statistics
+    sources: list[str] | None = None  # each item's source (trained | added)
 
 
 @dataclass
@@ -216,16 +232,19 @@ class ChangeSet:
     standby: str | None = None  # STANDBY's value: writes are refused (not carried away)
 
 
-def changes_from_rows(rows, after: int) -> list[Change]:
+def changes_from_rows(rows, after: int, ops: dict[int, str] | None = None) -> list[Change]:
     """Changes in seq order from (id, label, source, embedding, add_seq, deleted_seq, world)
-    rows of the items added or deleted by a write after `after`."""
+    rows of the items added or deleted by a write after `after`; `ops`: the log's op of each
+    write (seq -> op: what kind its rows are, kind_of; a seq it lacks is "mixed")."""
+    ops = ops or {}
     adds: dict[int, Change] = {}
     dels: dict[int, Change] = {}
     for item_id, label, source, emb, add_seq, deleted_seq, world in rows:
         v = vec(emb)
         if add_seq > after:
             c = adds.setdefault(
-                add_seq, Change(add_seq, "add", [], label, None, worlds=[], sources=[])
+                add_seq,
+                Change(add_seq, kind_of(ops.get(add_seq)), [], label, None, worlds=[], sources=[]),
             )
             c.ids.append(item_id)
             c.sources.append(source)
@@ -240,7 +259,8 @@ def changes_from_rows(rows, after: int) -> list[Change]:
         c.embeddings = np.stack([r[2] for r in c.rows]).astype(np.float32)
         c.rows = None
         out.append(c)
-    return sorted([*out, *dels.values()], key=lambda c: (c.seq, c.op != "add"))
+    # a write's new and moved items before its deletes
+    return sorted([*out, *dels.values()], key=lambda c: (c.seq, c.op == "delete"))
 
 
 def blob(v: np.ndarray) -> bytes:

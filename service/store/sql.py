@@ -38,6 +38,8 @@ DELETE_META = "DELETE FROM meta WHERE key = {p}"
 WRITE_GUARDS = "SELECT key, value FROM meta WHERE key IN ('last_seq', 'carried_to', 'standby')"
 LOG_TOKEN = "SELECT token FROM log WHERE seq = {p}"
 LOG_SEQS = "SELECT seq FROM log"
+# the op of each write after a version (records.kind_of: how a follower applies its rows)
+LOG_OPS_AFTER = "SELECT seq, op FROM log WHERE seq > {p}"
 INSERT_LOG = "INSERT INTO log (seq, op, items, at, token) VALUES ({p}, {p}, {p}, {p}, {p})"
 # the writes after a version, as (id, label, source, embedding, add_seq, deleted_seq, world)
 CHANGES = (

@@ -430,6 +430,7 @@ class SqliteStore(Store):
                         )
                     )
                     rows = conn.execute(D.q(sql.CHANGES), (after, after, after)).fetchall()
+                    ops = dict(conn.execute(D.q(sql.LOG_OPS_AFTER), (after,)).fetchall())
                 finally:
                     conn.execute("COMMIT")
             except sqlite3.DatabaseError as e:
@@ -437,7 +438,7 @@ class SqliteStore(Store):
         return ChangeSet(
             int(meta["last_seq"]),
             int(meta.get("log_floor", 0)),
-            records.changes_from_rows(rows, after),
+            records.changes_from_rows(rows, after, ops),
             meta.get(records.CARRIED_TO),
             meta.get(records.STANDBY),
         )

@@ -14,15 +14,14 @@ from typing import Annotated
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
 
 from service.gallery.labels import LABEL_PATTERN, check_label, normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
+from service.http.idempotency import REPLAYED, keyed_write
 from service.http.inputs import IDEMPOTENCY_PARAMETER, idempotency_key
 from service.http.openapi import LABEL_FIELD
 from service.http.problems import Problem
-from service.http.routes.gallery import REPLAYED, ItemId, keyed_write
-from service.store.records import LabelConflict
+from service.http.routes.gallery import ItemId
 
 router = APIRouter(prefix="/gallery", tags=["gallery"], route_class=GuardedRoute)
 
@@ -111,18 +110,9 @@ async def _relabel(request: Request, state, ids: list[int], label: str):
     if found is not None:
         seq, outcome = found
         return [(int(i), old) for i, old in outcome["rows"]], seq, True
-    moved, seq = done
-    if not moved:
-        live = await run_in_threadpool(state.store.items, ids)
-        if not live:
-            raise Problem(404, "item_unknown", f"no live item among {_ids(ids)}")
-        return [], state.gallery.version, False
-    await state.runtime.sync(seq)  # acknowledged once the model votes with it
+    moved, seq = done  # (none live: refused, 404 item_unknown, in keyed_write)
+    await state.runtime.sync(seq)  # acknowledged once the model votes with it (or its no-op)
     return [(m.id, m.old) for m in moved], seq, False
-
-
-def _ids(ids: list[int]) -> str:
-    return ", ".join(map(str, ids[:10])) + (f" (and {len(ids) - 10} more)" if len(ids) > 10 else "")
 
 
 @router.patch(
@@ -168,21 +158,21 @@ async def _rename(request: Request, state, old: str, new: str, merge: bool):
     idempotency_key(request, state.settings.idempotency_ttl_s, op)  # (a bad key: 422 first)
     if old == new:
         raise Problem(409, "label_same", f"{old!r} is already called {new!r}: nothing to {op}")
-    try:
-        done, found = await keyed_write(
-            request, state, op, (old, new), lambda keyed: state.rename(old, new, merge, keyed)
-        )
-    except LabelConflict as e:
-        raise Problem(409 if e.code == "label_exists" else 404, e.code, str(e)) from None
+    done, found = await keyed_write(  # (refused: 409 label_exists, 404 label_unknown)
+        request, state, op, (old, new), lambda keyed: state.rename(old, new, merge, keyed)
+    )
+    none = f"no live items with label {old!r}"
     if found is not None:
         seq, outcome = found
+        if not outcome["count"]:  # (nothing to move then: answered 404 then)
+            raise Problem(404, "label_unknown", none, headers={REPLAYED: "true"})
         out = RenameResult(
             label=new, previous_label=old, count=outcome["count"], gallery_version=seq
         )
         return _answer(out, True)
     moved, seq = done
-    if not moved:
-        raise Problem(404, "label_unknown", f"no live items with label {old!r}")
+    if not moved:  # (with a key, that outcome is recorded: a retry is answered 404 too)
+        raise Problem(404, "label_unknown", none)
     await state.runtime.sync(seq)
     return RenameResult(label=new, previous_label=old, count=len(moved), gallery_version=seq)
 

@@ -13,8 +13,8 @@ from starlette.concurrency import run_in_threadpool
 from embedding.thumbnails import thumbnail_mime
 from service.gallery.labels import LABEL_PATTERN, check_label, normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
+from service.http.idempotency import REPLAYED, keyed_write, replay
 from service.http.inputs import (
-    IDEMPOTENCY_HEADER,
     IDEMPOTENCY_PARAMETER,
     idempotency_key,
     missing,
@@ -158,42 +158,8 @@ async def add(request: Request, state: StateDep):
     )
 
 
-REPLAYED = "Idempotent-Replayed"  # set on an answer that replays a key's first outcome
-
-
-async def _replay(state, keyed: Keyed, digest: str, seq: int, outcome: dict, op: str) -> None:
-    """A key used before: 422 unless for this very request, else wait until the model process
-    applied that first write (as its answer did)."""
-    if digest != keyed.digest or outcome.get("op") != op:
-        raise Problem(
-            422,
-            "idempotency_key_reused",
-            f"this {IDEMPOTENCY_HEADER} was used by another request (gallery version {seq}) "
-            "with other content; nothing was changed (use a new key for a new request)",
-        )
-    await state.runtime.sync(seq)
-
-
-async def keyed_write(request: Request, state, op: str, asked: tuple, write):
-    """A write under the request's Idempotency-Key (if any): `write(keyed)` in a worker thread
-    unless the key was used; (its result, None), or (None, (seq, outcome)) for a key used
-    before by this very request (its first write applied where the model votes: _replay;
-    422 for another request's key). `asked`: what the request asked (the key's digest)."""
-    keyed = idempotency_key(request, state.settings.idempotency_ttl_s, op, *asked)
-    found = None
-    if keyed is not None:
-        found = await run_in_threadpool(state.store.request, keyed.key)
-    if found is None:
-        try:
-            return await run_in_threadpool(write, keyed), None
-        except Replayed as e:
-            found = (keyed.digest if e.same else "", e.seq, e.outcome)
-    await _replay(state, keyed, *found, op)
-    return None, found[1:]
-
-
 async def _added_before(state, keyed: Keyed, digest: str, seq: int, outcome: dict):
-    await _replay(state, keyed, digest, seq, outcome, "add")
+    await replay(state, keyed, digest, seq, outcome, "add")
     ids, label = outcome["ids"], outcome["label"]
     out = AddResult(ids=ids, label=label, count=state.gallery.count_of(label), gallery_version=seq)
     headers = {"Location": f"/gallery/items/{ids[0]}", REPLAYED: "true"}
@@ -339,6 +305,8 @@ async def _delete(
     )
     if found is not None:
         seq, outcome = found
+        if not outcome["rows"]:  # (nothing was live then: answered 404 then)
+            raise Problem(404, code, f"no {what} in the gallery", headers={REPLAYED: "true"})
         out = DeleteResult(
             deleted=sorted(r[0] for r in outcome["rows"]),
             label=outcome["label"] or outcome["rows"][0][1],
@@ -346,7 +314,7 @@ async def _delete(
         )
         return JSONResponse(out.model_dump(), headers={REPLAYED: "true"})
     rows, seq = done
-    if not rows:
+    if not rows:  # (with a key, that outcome is recorded: a retry is answered 404 too)
         raise Problem(404, code, f"no {what} in the gallery")
     await state.runtime.sync(seq)  # acknowledged once the model votes without them
     return DeleteResult(

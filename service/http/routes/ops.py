@@ -59,6 +59,7 @@ async def readyz(request: Request):
         or await run_in_threadpool(state.gallery.checksum),
         "pid": os.getpid(),
         "model_pid": state.runtime.pid(),  # the model process (or this one: --no-model-process)
+        **({"model_process": c} if (c := state.runtime.counters()) else {}),
         "hostname": socket.gethostname(),  # which replica answered (behind a load balancer)
         "store_writable": writable,
         "data_dir": str(state.data.path),

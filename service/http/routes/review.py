@@ -16,10 +16,10 @@ from starlette.concurrency import run_in_threadpool
 from embedding.thumbnails import thumbnail_mime
 from service.gallery.labels import check_label
 from service.http.deps import GuardedRoute, StateDep, access
+from service.http.idempotency import REPLAYED, keyed_write
 from service.http.inputs import IDEMPOTENCY_PARAMETER
 from service.http.problems import Problem
 from service.http.routes.corrections import JsonId, Label
-from service.http.routes.gallery import REPLAYED, keyed_write
 from service.review import groups as grouping
 
 router = APIRouter(prefix="/review", tags=["review"], route_class=GuardedRoute)
@@ -100,7 +100,7 @@ def _groups(state, limit: int, sample: int) -> dict:
 @router.get(
     "",
     summary="What the service could not name, grouped by similarity (one decision per group)",
-    openapi_extra=access("read"),
+    openapi_extra=access("private"),
 )
 async def review(
     request: Request,
@@ -124,7 +124,7 @@ async def review(
     },
     response_class=Response,
     summary="A queued query's thumbnail",
-    openapi_extra=access("read"),
+    openapi_extra=access("private"),
 )
 async def queued_thumbnail(
     state: StateDep,
@@ -151,16 +151,19 @@ async def name(request: Request, state: StateDep, body: Name):
     done, found = await keyed_write(
         request, state, "name", (label, str(ids)), lambda k: state.name_queued(ids, label, k)
     )
+    none = "none of these ids is queued (named or dismissed?)"
     if found is not None:
         seq, outcome = found
+        if not outcome["ids"]:  # (none was queued then: answered 404 then)
+            raise Problem(404, "item_unknown", none, headers={REPLAYED: "true"})
         out = Named(
             ids=outcome["ids"], queued_ids=outcome.get("queued", []), label=label,
             count=state.gallery.count_of(label), gallery_version=seq,
         )  # fmt: skip
         return JSONResponse(out.model_dump(), status_code=201, headers={REPLAYED: "true"})
     new, queued, seq = done
-    if not new:
-        raise Problem(404, "item_unknown", "none of these ids is queued (named or dismissed?)")
+    if not new:  # (with a key, that outcome is recorded: a retry is answered 404 too)
+        raise Problem(404, "item_unknown", none)
     await state.runtime.sync(seq)  # acknowledged once the model votes with them
     out = Named(
         ids=new, queued_ids=[q.id for q in queued], label=label,

@@ -54,7 +54,7 @@ def _suggest(state, label: str, limit: int, queued: bool, vote: str) -> dict | N
     "/suggestions",
     responses={404: {"description": "no live items with this label"}},
     summary="Gallery items and queued queries that likely belong to a label, ranked, with why",
-    openapi_extra=access("read"),
+    openapi_extra=access("private"),
 )
 async def suggestions(
     request: Request,

@@ -54,6 +54,9 @@ def test_corrections_are_durable_writes_with_calibration_recomputed(
         r = c.post("/gallery/merge", json={"label": "top", "into": "nobody"})
         assert r.status_code == 404 and r.json()["code"] == "label_unknown"
         assert c.post("/gallery/rename", json={"label": "none", "to": "x"}).status_code == 404
+        # nothing to rename, whatever the new name has (issue 51: was 409 label_exists)
+        r = c.post("/gallery/rename", json={"label": "none", "to": "shirt"})
+        assert r.status_code == 404 and r.json()["code"] == "label_unknown", r.text
         r = c.post("/gallery/rename", json={"label": "top", "to": "top"})
         assert r.status_code == 409 and r.json()["code"] == "label_same"
         # rename a trained label, merge an added one into another (label names with '/')
@@ -131,3 +134,69 @@ def test_bad_corrections_are_problems(base_run, tmp_path):
         assert r.status_code == 422
         assert c.patch("/gallery/items/123456789", json={"label": "x"}).status_code == 404
         assert "Trouser" in labels(c)  # nothing changed
+
+
+def test_every_keyed_outcome_is_replayed_and_binds_its_key(base_run, tmp_path, fmnist_train):
+    """Issue 51: an Idempotency-Key records its write's outcome whatever it was (a no-op, a
+    404, a 409), so a retry never does later what the first attempt did not (it undid another
+    client's correction), and the key with another request is 422 on every write route."""
+    f = [("images", ("a.png", png(fmnist_train, 0), "image/png"))]
+
+    def key(k):
+        return {"Idempotency-Key": k}
+
+    with make_client(base_run, tmp_path / "serve") as c:
+        (item,) = c.post("/gallery/add", data={"label": "a"}, files=f).json()["ids"]
+        c.post("/gallery/add", data={"label": "b"}, files=f)
+        # client A asks for the label the item has: nothing to do, recorded as such
+        r1 = c.patch(f"/gallery/items/{item}", json={"label": "a"}, headers=key("A"))
+        assert r1.status_code == 200 and r1.json()["relabelled"] == []
+        c.patch(f"/gallery/items/{item}", json={"label": "z"})  # client B's correction
+        r2 = c.patch(f"/gallery/items/{item}", json={"label": "a"}, headers=key("A"))
+        assert (r2.status_code, r2.json()) == (200, r1.json())
+        assert r2.headers["Idempotent-Replayed"] == "true"
+        assert c.get(f"/gallery/items/{item}").json()["label"] == "z"  # B's stays
+        # 404s and 409s are outcomes too: replayed as they were, though the gallery changed
+        first = {
+            "del": ("delete", "/gallery/labels/c", None),
+            "none": ("post", "/gallery/rename", {"label": "c", "to": "d"}),
+            "gone": ("post", "/gallery/relabel", {"ids": [10**12], "label": "c"}),
+            "busy": ("post", "/gallery/rename", {"label": "z", "to": "b"}),
+            "named": ("post", "/review/name", {"ids": [10**12], "label": "c"}),
+        }
+        answers = {}
+        for k, (method, path, body) in first.items():
+            kw = {} if body is None else {"json": body}
+            answers[k] = getattr(c, method)(path, headers=key(k), **kw)
+        assert {k: r.status_code for k, r in answers.items()} == {
+            "del": 404, "none": 404, "gone": 404, "busy": 409, "named": 404
+        }  # fmt: skip
+        c.post("/gallery/add", data={"label": "c"}, files=f)  # (now there is a "c")
+        c.delete("/gallery/labels/b")  # (and "b" is free)
+        for k, (method, path, body) in first.items():
+            kw = {} if body is None else {"json": body}
+            r = getattr(c, method)(path, headers=key(k), **kw)
+            assert (r.status_code, r.json()["code"]) == (
+                answers[k].status_code,
+                answers[k].json()["code"],
+            ), k
+            assert r.headers["Idempotent-Replayed"] == "true", k
+        assert labels(c).get("c") == 1 and "d" not in labels(c)  # nothing made late
+        # the same key with another request: 422 on every write route, whatever it answered
+        other = [
+            ("post", "/gallery/add", {"data": {"label": "q"}, "files": f}),
+            ("delete", f"/gallery/items/{item}", {}),
+            ("delete", "/gallery/labels/q", {}),
+            ("patch", f"/gallery/items/{item}", {"json": {"label": "q"}}),
+            ("post", "/gallery/relabel", {"json": {"ids": [item], "label": "q"}}),
+            ("post", "/gallery/rename", {"json": {"label": "z", "to": "q"}}),
+            ("post", "/gallery/merge", {"json": {"label": "z", "into": "c"}}),
+            ("post", "/review/name", {"json": {"ids": [1], "label": "q"}}),
+        ]
+        for k in ("A", *first):
+            for method, path, kw in other:
+                r = getattr(c, method)(path, headers=key(k), **kw)
+                assert (r.status_code, r.json()["code"]) == (422, "idempotency_key_reused"), (
+                    k, path, r.text,
+                )  # fmt: skip
+        assert c.get(f"/gallery/items/{item}").json()["label"] == "z"

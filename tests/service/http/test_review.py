@@ -128,3 +128,33 @@ def test_the_queue_is_off_by_default_bounded_and_keeps_uploads_only_when_asked(
         q = store.queued_items([x.id for x in store.queued(10)])
         uploads = {png(fmnist_test, i) for i in of_class(fmnist_test, 8, 20)}
         assert all(x.image in uploads for x in q)  # (the uploads themselves: asked for)
+
+
+def test_the_queued_queries_of_other_callers_need_a_key_whenever_keys_are_set(
+    base_run, tmp_path, fmnist_test
+):
+    """Issue 51: with only a write key set (reads open), anyone read the queries other callers
+    sent once the queue was on: GET /review, their thumbnails, the suggestions that list them.
+    Those routes now need a key of either scope whenever any key is configured."""
+    write, read = "w" * 20, "r" * 20
+    kw = {"review_queue": True, "review_margin": 1.0, "api_keys": f"write:{write}"}
+    with make_client(base_run, tmp_path / "data", **kw) as c:
+        for i in of_class(fmnist_test, 0, 4):
+            assert c.post("/classify", files=img(fmnist_test, i)).status_code == 200
+        queue_of(c)
+        private = ["/review", "/gallery/suggestions?label=Bag"]
+        w = c.get("/review", headers={"X-API-Key": write}).json()
+        queued = w["groups"][0]["sample"][0]
+        private.append(f"/review/items/{queued['id']}/thumbnail")
+        for path in private:
+            r = c.get(path)
+            assert r.status_code == 401 and r.json()["code"] == "unauthorized", (path, r.text)
+            assert c.get(path, headers={"X-API-Key": write}).status_code == 200, path
+        assert c.get("/gallery/labels").status_code == 200  # (the other reads stay open)
+        doc = c.get("/openapi.json").json()["paths"]
+        assert doc["/review"]["get"]["security"] and "401" in doc["/review"]["get"]["responses"]
+        assert "security" not in doc["/gallery/labels"]["get"]
+    kw["api_keys"] += f",read:{read}"
+    with make_client(base_run, tmp_path / "data", **kw) as c:
+        assert c.get("/review", headers={"X-API-Key": read}).status_code == 200
+        assert c.get("/review").status_code == 401

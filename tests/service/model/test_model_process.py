@@ -228,6 +228,59 @@ def test_a_stopped_model_process_is_bounded_and_replaced_and_a_killed_front_take
     until(lambda: not alive(model), timeout=10)
 
 
+def test_a_busy_model_process_is_not_killed_and_its_queue_is_bounded(
+    base_run, tmp_path, fmnist_test
+):
+    """Issue 51: under a flood the watchdog killed a model process that was busy, not hung (it
+    judged the oldest queued job's age, which measures the queue), again and again, and
+    nothing bounded the work queued to it. Now a process is hung only when it answers nothing
+    for SNCA_MODEL_TIMEOUT_S while jobs wait, and the queue is held to SNCA_MODEL_QUEUE_S of
+    work: past it requests are answered 503 model_busy with Retry-After at once. The flood is
+    sized from the process's measured time per image: 4 timeouts of work offered at once."""
+    timeout = 1.0
+    env = {
+        "SNCA_MODEL_TIMEOUT_S": str(timeout),
+        "SNCA_MODEL_QUEUE_S": str(2 * timeout),
+        "SNCA_MAX_BATCH": "1",
+    }  # fmt: skip (one image per forward: the slowest honest pace)
+    s = Server(base_run, tmp_path / "data", env, model_process=True)
+    model = readyz(s.url).json()["model_pid"]
+    images = [png(fmnist_test, i) for i in range(64)]
+    files = [("images", (f"{i}.png", b, "image/png")) for i, b in enumerate(images)]
+    with httpx.Client(base_url=s.url, timeout=120) as c:
+        t0 = time.monotonic()
+        assert c.post("/classify/batch", files=files).status_code == 200  # (its pace, measured)
+        per_image = (time.monotonic() - t0) / len(images)
+    n = max(4, int(4 * timeout / per_image / len(images)) + 1)  # batches of 64: 4 timeouts' work
+    answers: list[httpx.Response] = []
+    ready: list[int] = []
+    go = threading.Barrier(n + 1)
+
+    def flood():
+        with httpx.Client(base_url=s.url, timeout=120) as c:
+            go.wait()
+            answers.append(c.post("/classify/batch", files=files))
+
+    threads = [threading.Thread(target=flood) for _ in range(n)]
+    for t in threads:
+        t.start()
+    go.wait()
+    while any(t.is_alive() for t in threads):
+        ready.append(readyz(s.url).status_code)
+        time.sleep(0.1)
+    codes = [r.status_code for r in answers]
+    busy = [r for r in answers if r.status_code == 503]
+    after = readyz(s.url).json()
+    assert after["model_pid"] == model, "the busy model process was killed"
+    assert after["model_process"]["killed_hung"] == after["model_process"]["restarts"] == 0
+    assert after["model_process"]["busy"] == len(busy)
+    assert codes.count(200) >= 1 and busy, (per_image, n, codes)
+    assert all(r.json()["code"] == "model_busy" for r in busy), [r.json() for r in busy]
+    assert all(int(r.headers["Retry-After"]) >= 1 for r in busy)
+    assert set(ready) == {200}, ready  # (busy is not unready)
+    s.kill()
+
+
 REQUESTS = [
     ("post", "/classify", {}),
     ("post", "/classify", {"vote": "knn", "k": 10, "neighbors": "true"}),
