@@ -139,10 +139,13 @@ class Server:
         self.log.close()
 
 
-def replaced_model(run: Path, out: Path, seed: int = 1) -> Path:
+def replaced_model(run: Path, out: Path, seed: int = 1, other_images: int = 0) -> Path:
     """A copy of run dir `run` whose weights are perturbed (a new fingerprint: what a retrain
     gives the service, without the minutes of one), with its memory bank re-saved for them and
-    a fresh index dir (out/index)."""
+    a fresh index dir (out/index). `other_images` k > 0: every k-th training image of the memory
+    bank (so of the index) replaced by another image of the same class that `run` lacks, so the
+    two indexes hold different trained images (as a model retrained on another draw of the data
+    does): a label's delete or rename reaches the other's images by label only."""
     import shutil
 
     import torch
@@ -162,7 +165,19 @@ def replaced_model(run: Path, out: Path, seed: int = 1) -> Path:
             p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=g))
     fp = save_model(model, out)
     mem = src.load_memory()
-    save_memory_bank(RunDir(out).memory, mem.embeddings, mem.labels, mem.indices, fp)
+    indices = mem.indices
+    if other_images:
+        from embedding.datasets import load_raw
+
+        targets = np.asarray(load_raw("fashion-mnist", "train").targets)
+        indices = mem.indices.clone()
+        taken = set(indices.tolist())
+        for k in range(0, len(indices), other_images):
+            cls = targets[int(indices[k])]
+            j = next(j for j in np.nonzero(targets == cls)[0].tolist() if j not in taken)
+            taken.add(j)
+            indices[k] = j
+    save_memory_bank(RunDir(out).memory, mem.embeddings, mem.labels, indices, fp)
     build(BuildConfig(run_dir=out, out=out / "index", progress=False), log=lambda m: None)
     return out
 

@@ -60,7 +60,7 @@ SERVER_ENV = {**FAST, "SNCA_MODEL_TIMEOUT_S": "4", "SNCA_SNAPSHOT_EVERY": "50"}
 SERVER_ENV |= {"SNCA_REVIEW_QUEUE": "1", "SNCA_REVIEW_MARGIN": "1.0"}
 TRAINED_VICTIM = "Sandal"  # the trained label a client deletes once
 TRAINED_RENAMED = "Ankle boot"  # the trained label a client renames once
-TRAINED_RELABELLED = "Coat"  # the label of the trained image a client relabels once
+TRAINED_RELABELLED = "Bag"  # the label of the trained image a client relabels once
 
 
 @dataclass
@@ -80,6 +80,10 @@ class Op:
     to: str | None = None  # (rename, merge) the label it becomes
     dataset_index: int | None = None  # (a trained image's relabel) which image
     queued: list[int] = field(default_factory=list)  # (name) the queued queries named
+    # (keyed writes) the request, to replay it with its key: (method, path, httpx kwargs), and
+    # its first answer: (status, what of its body a replay must repeat)
+    request: tuple | None = None
+    answer: tuple | None = None
 
 
 class Journal:
@@ -234,7 +238,11 @@ class Client(threading.Thread):
         self.mine: dict[int, str] = {}  # acknowledged, not deleted by me
         self.round = 0
         self.fresh = 0  # labels made by renames
-        self.trained_fixes = 2 if trained else 0  # a trained label renamed, an image relabelled
+        # with `trained`, early (the carries that follow must take them along): the trained
+        # victim label deleted, a trained label renamed, a trained image relabelled, once each
+        self.ops = 0
+        jobs = ("victim", "rename", "relabel") if trained else ()
+        self.trained_at = dict(zip(self.rng.sample(range(2, 30), len(jobs)), jobs, strict=True))
 
     def label(self) -> str:
         return f"c{self.n}-r{self.round}-{self.rng.randrange(2)}"
@@ -248,11 +256,12 @@ class Client(threading.Thread):
                     continue
                 url = self.rng.choice(urls)
                 r = self.rng.random()
-                if self.trained and r < 0.02:
+                self.ops += 1
+                job = self.trained_at.pop(self.ops, None)
+                if job == "victim":
                     self.delete_label(http, url, TRAINED_VICTIM)
-                    self.trained = False
-                elif self.trained_fixes and r < 0.04:
-                    self.trained_fix(http, url)
+                elif job is not None:
+                    self.trained_fix(http, url, job)
                 elif r < 0.06 and self.mine:
                     self.delete_label(http, url, f"c{self.n}-r{self.round}-0")
                     self.round += 1
@@ -269,14 +278,18 @@ class Client(threading.Thread):
                 else:
                     self.add(http, url)
 
-    def _send(self, op: Op, call) -> httpx.Response | None:
+    def _send(self, op: Op, http: httpx.Client, url: str, method: str, path: str, **kw):
+        """Send a keyed write (op.key as its Idempotency-Key); keep the request and its first
+        answer for the replays (replay_keyed)."""
+        op.request = (method, path, kw)
         try:
-            r = call()
+            r = http.request(method, url + path, headers={"Idempotency-Key": op.key}, **kw)
         except httpx.HTTPError as e:
             op.done, op.outcome, op.detail = time.monotonic(), "unknown", type(e).__name__
             time.sleep(0.05)
             return None
         op.done = time.monotonic()
+        op.answer = answer_of(r)
         return r
 
     def _refused(self, op: Op, r: httpx.Response) -> None:
@@ -297,15 +310,7 @@ class Client(threading.Thread):
         op = self.journal.add(Op("add", uuid.uuid4().hex, label, time.monotonic(), image=i))
         op.count = n
         files = [("images", (f"{k}.png", png_of(self.raw, i + k), "image/png")) for k in range(n)]
-        r = self._send(
-            op,
-            lambda: http.post(
-                url + "/gallery/add",
-                data={"label": label},
-                files=files,
-                headers={"Idempotency-Key": op.key},
-            ),
-        )
+        r = self._send(op, http, url, "POST", "/gallery/add", data={"label": label}, files=files)
         if r is None:
             return
         if r.status_code == 201:
@@ -316,10 +321,7 @@ class Client(threading.Thread):
 
     def delete(self, http: httpx.Client, url: str, item: int) -> None:
         op = self.journal.add(Op("delete", uuid.uuid4().hex, None, time.monotonic(), ids=[item]))
-        r = self._send(
-            op,
-            lambda: http.delete(f"{url}/gallery/items/{item}", headers={"Idempotency-Key": op.key}),
-        )
+        r = self._send(op, http, url, "DELETE", f"/gallery/items/{item}")
         if r is None:
             self.mine.pop(item, None)  # (maybe deleted: never deleted again, never checked)
             return
@@ -334,12 +336,7 @@ class Client(threading.Thread):
 
     def delete_label(self, http: httpx.Client, url: str, label: str) -> None:
         op = self.journal.add(Op("delete_label", uuid.uuid4().hex, label, time.monotonic()))
-        r = self._send(
-            op,
-            lambda: http.delete(
-                f"{url}/gallery/labels/{label}", headers={"Idempotency-Key": op.key}
-            ),
-        )
+        r = self._send(op, http, url, "DELETE", f"/gallery/labels/{label}")
         self.mine = {i: lab for i, lab in self.mine.items() if lab != label}
         if r is None:
             return
@@ -363,14 +360,7 @@ class Client(threading.Thread):
         label = self.label()
         op = self.journal.add(Op("name", uuid.uuid4().hex, label, time.monotonic()))
         op.queued = ids
-        r = self._send(
-            op,
-            lambda: http.post(
-                url + "/review/name",
-                json={"ids": ids, "label": label},
-                headers={"Idempotency-Key": op.key},
-            ),
-        )
+        r = self._send(op, http, url, "POST", "/review/name", json={"ids": ids, "label": label})
         if r is None:
             return
         if r.status_code == 201:
@@ -388,14 +378,7 @@ class Client(threading.Thread):
             + [lab for lab in set(self.mine.values()) if "-m" in lab]
         )
         op = self.journal.add(Op("relabel", uuid.uuid4().hex, to, time.monotonic(), ids=[item]))
-        r = self._send(
-            op,
-            lambda: http.patch(
-                f"{url}/gallery/items/{item}",
-                json={"label": to},
-                headers={"Idempotency-Key": op.key},
-            ),
-        )
+        r = self._send(op, http, url, "PATCH", f"/gallery/items/{item}", json={"label": to})
         if r is None:
             self.mine.pop(item, None)  # (maybe moved: never touched again, checked at the end)
             return
@@ -423,14 +406,7 @@ class Client(threading.Thread):
         kind = "merge" if merge else "rename"
         op = self.journal.add(Op(kind, uuid.uuid4().hex, old, time.monotonic(), to=to))
         body = {"label": old, "into": to} if merge else {"label": old, "to": to}
-        r = self._send(
-            op,
-            lambda: http.post(
-                f"{url}/gallery/{kind}",
-                json=body,
-                headers={"Idempotency-Key": op.key},
-            ),
-        )
+        r = self._send(op, http, url, "POST", f"/gallery/{kind}", json=body)
         if r is not None and r.status_code == 200:
             op.outcome = "ok"
             self.mine = {i: (to if lab == old else lab) for i, lab in self.mine.items()}
@@ -442,23 +418,17 @@ class Client(threading.Thread):
         if op.outcome != "failed":  # (maybe renamed: never touched again, checked at the end)
             self.mine = {i: lab for i, lab in self.mine.items() if lab not in (old, to)}
 
-    def trained_fix(self, http: httpx.Client, url: str) -> None:
-        """Once each: TRAINED_RENAMED renamed, one trained image of TRAINED_RELABELLED
-        relabelled (found by its dataset index in whichever gallery is live at the end)."""
-        self.trained_fixes -= 1
-        if self.trained_fixes == 1:
+    def trained_fix(self, http: httpx.Client, url: str, job: str) -> None:
+        """Once each: TRAINED_RENAMED renamed ("rename"), one trained image of
+        TRAINED_RELABELLED relabelled ("relabel": found by its dataset index in whichever
+        gallery is live at the end, if its index holds that image)."""
+        if job == "rename":
             to = f"c{self.n}-boots"
             op = self.journal.add(
                 Op("rename", uuid.uuid4().hex, TRAINED_RENAMED, time.monotonic(), to=to)
             )
-            r = self._send(
-                op,
-                lambda: http.post(
-                    f"{url}/gallery/rename",
-                    json={"label": TRAINED_RENAMED, "to": to},
-                    headers={"Idempotency-Key": op.key},
-                ),
-            )
+            body = {"label": TRAINED_RENAMED, "to": to}
+            r = self._send(op, http, url, "POST", "/gallery/rename", json=body)
         else:
             try:
                 page = http.get(
@@ -471,14 +441,7 @@ class Client(threading.Thread):
             item, to = page[0]["id"], f"c{self.n}-coat"
             op = self.journal.add(Op("relabel", uuid.uuid4().hex, to, time.monotonic()))
             op.dataset_index = int(page[0]["metadata"]["dataset_index"])
-            r = self._send(
-                op,
-                lambda: http.patch(
-                    f"{url}/gallery/items/{item}",
-                    json={"label": to},
-                    headers={"Idempotency-Key": op.key},
-                ),
-            )
+            r = self._send(op, http, url, "PATCH", f"/gallery/items/{item}", json={"label": to})
         if r is None:
             return
         if r.status_code == 200:
@@ -590,6 +553,21 @@ class Nemesis(threading.Thread):
             self.backups.append((*self.backup_running, time.monotonic()))  # (path, start, end)
         if name in ("upgrade", "rollback"):
             self.pending = None if rc == 0 else (model, args)
+            if rc == 0 and (name == "rollback" or "--switch" in args):
+                self.replay_some()
+
+    def replay_some(self, n: int = 8) -> None:
+        """After a switch or a rollback: a few acknowledged keyed writes replayed with their
+        keys (replay_keyed), wherever they were made."""
+        with self.journal.lock:
+            ops = replayable(self.journal.ops)
+        urls = self.cluster.urls()
+        if not ops or not urls:
+            return
+        bad, answered = replay_keyed(self.rng.sample(ops, min(n, len(ops))), urls, self.rng, 5)
+        self.counts["replays"] += answered
+        for b in bad:
+            self.journal.fail(b + " (after a switch or rollback)")
 
     def command(self) -> None:
         r = self.rng.random()
@@ -713,6 +691,60 @@ class Nemesis(threading.Thread):
         c.stopped.discard(pid)
 
 
+def answer_of(r: httpx.Response) -> tuple:
+    """(status, what of its body a retry with the same Idempotency-Key must repeat): the ids,
+    labels and items moved; not the label's count now, nor the version (a carry copies a
+    record into another gallery's log)."""
+    try:
+        body = r.json()
+    except ValueError:
+        body = {}
+    if r.status_code >= 400:
+        return r.status_code, body.get("code")
+    keep = ("ids", "label", "deleted", "relabelled", "previous_label", "queued_ids")
+    out = {k: body[k] for k in keep if k in body}
+    if "previous_label" in body:  # (a rename or merge: its count is the items it moved)
+        out["count"] = body.get("count")
+    return r.status_code, json.dumps(out, sort_keys=True)
+
+
+# first answers a replay must repeat: the write's outcome, recorded with its key (a 503, a 422
+# of a malformed request, a 429 recorded nothing: a retry may do the write then)
+REPLAYABLE = (200, 201, 404, 409)
+
+
+def replayable(ops: list[Op]) -> list[Op]:
+    return [o for o in ops if o.request and o.answer and o.answer[0] in REPLAYABLE]
+
+
+def replay_keyed(ops: list[Op], urls: list[str], rng: random.Random, timeout: float = 10):
+    """Each of `ops` (acknowledged keyed writes) sent again with its key through one of
+    `urls`: it must be answered with its first outcome, marked Idempotent-Replayed, never
+    made again. A server that cannot answer now (503: on standby, its store down; no answer)
+    is tried on another, else the op is skipped. (failures, replays answered)."""
+    bad, answered = [], 0
+    with httpx.Client(timeout=timeout) as http:
+        for op in ops:
+            method, path, kw = op.request
+            for url in rng.sample(urls, len(urls)):
+                try:
+                    r = http.request(method, url + path, headers={"Idempotency-Key": op.key}, **kw)
+                except httpx.HTTPError:
+                    continue
+                if r.status_code == 503:
+                    continue
+                answered += 1
+                got = answer_of(r)
+                if got != op.answer or r.headers.get("Idempotent-Replayed") != "true":
+                    bad.append(
+                        f"the replay of {op.kind} {op.key} ({method} {path}) was answered "
+                        f"{got} (replayed: {r.headers.get('Idempotent-Replayed')}), first "
+                        f"{op.answer}"
+                    )
+                break
+    return bad, answered
+
+
 GONE = None  # an item's state once deleted
 
 
@@ -813,7 +845,8 @@ def check(
     imports,
 ) -> list[str]:
     """The final state against the history: `live` (id -> (label, metadata)) the live
-    gallery's added items, `trained_live` (dataset index -> label) its live trained items."""
+    gallery's added items, `trained_live` (dataset index -> label, GONE when deleted) the
+    trained items its index holds."""
     ops = journal.ops
     bad = list(journal.checks)
     inf = float("inf")
@@ -839,7 +872,7 @@ def check(
         if i in journaled or label.startswith("imported-"):
             continue
         bad.append(f"item {i} ({label}) was never acknowledged to anyone")
-    labels = set(trained_live.values())
+    labels = {lab for lab in trained_live.values() if lab is not GONE}
     for op in ops:
         ok = op.outcome == "ok"
         victim = ok and op.kind == "delete_label" and op.label == TRAINED_VICTIM
@@ -848,8 +881,9 @@ def check(
         renamed = ok and op.kind == "rename" and op.label == TRAINED_RENAMED
         if renamed and (TRAINED_RENAMED in labels or op.to not in labels):
             bad.append(f"the trained label {TRAINED_RENAMED} renamed {op.to}: not so")
-        if op.kind == "relabel" and op.dataset_index is not None and op.outcome == "ok":
-            got = trained_live.get(op.dataset_index)
+        fix = op.kind == "relabel" and op.dataset_index is not None and op.outcome == "ok"
+        if fix and op.dataset_index in trained_live:  # (an image this model's index holds)
+            got = trained_live[op.dataset_index]
             if got != op.label:
                 bad.append(f"trained image {op.dataset_index} relabelled {op.label}: it is {got}")
     counts = Counter(lab for lab, _ in live.values())
@@ -880,19 +914,23 @@ def stores_intact(cluster: Cluster, gen: str) -> list[str]:
 
 
 def read_live(cluster: Cluster) -> tuple[dict[int, tuple[str, str]], dict[int, str], str]:
-    """(id -> (label, metadata) of live added items, dataset index -> label of live trained
-    items, gen) of the live gallery, read from its store."""
+    """(id -> (label, metadata) of live added items, dataset index -> label of the trained
+    items its index holds (GONE: deleted), gen) of the live gallery, read from its store."""
     from service.store.registry import open_as_found
 
     g = cluster.galleries()
     live = g["alias_gen"]
     s = open_as_found(g["targets"][live])
     try:
-        rows = s._select("SELECT id, label, source, metadata FROM items WHERE deleted_seq IS NULL")
+        rows = s._select("SELECT id, label, source, metadata, deleted_seq IS NULL FROM items")
     finally:
         s.close()
-    added = {r[0]: (r[1], r[3]) for r in rows if r[2] == "added"}
-    trained = {json.loads(r[3])["dataset_index"]: r[1] for r in rows if r[2] == "trained"}
+    added = {r[0]: (r[1], r[3]) for r in rows if r[2] == "added" and r[4]}
+    trained = {
+        json.loads(r[3])["dataset_index"]: (r[1] if r[4] else GONE)
+        for r in rows
+        if r[2] == "trained"
+    }
     return added, trained, live
 
 

@@ -35,7 +35,7 @@ from service.store import backup, migration
 from service.store.datadir import DataDir
 from service.store.galleries import alias, gen_of, home_gen, register_served
 from service.store.migration import exclusive
-from service.store.records import CARRIED_TO, STANDBY, StoreUnavailable
+from service.store.records import CARRIED_TO, STANDBY, Keyed, StoreUnavailable
 from service.store.upgrade import settle
 
 from ..galleries_fake import (
@@ -117,6 +117,8 @@ def make_machine(kind: str, pg=None):
             self.dead_keys: set[int] = set()  # dataset indices of deleted trained items
             self.n = 0
             self.crashes = 0
+            # Idempotency-Keys of acknowledged writes -> (op, the ids their outcome names)
+            self.keys: dict[str, tuple[str, list[int]]] = {}
 
         def teardown(self):
             if hasattr(self, "place"):
@@ -153,12 +155,20 @@ def make_machine(kind: str, pg=None):
                 imgs = [image(self.n + i) for i in range(n)]
                 self.n += n
                 emb = [embedding(b) for b in imgs]
+                key = f"add-{self.n}"
                 try:
-                    _, ids = s.add(label, emb, [None] * n, [(b, "image/png") for b in imgs])
+                    _, ids = s.add(
+                        label,
+                        emb,
+                        [None] * n,
+                        [(b, "image/png") for b in imgs],
+                        keyed=Keyed(key, key),
+                    )
                 except StoreUnavailable:
                     seen("adds refused")
                     return
                 self.live_added.update({i: label for i in ids})
+                self.keys[key] = ("add", ids)
                 seen("adds acknowledged")
 
         @rule(data=st.data())
@@ -177,10 +187,13 @@ def make_machine(kind: str, pg=None):
                 if not pool:
                     return
                 victim = data.draw(st.sampled_from(pool))
+                key = f"delete-{self.n}"
+                self.n += 1
                 try:
-                    _, rows = s.delete([victim])
+                    _, rows = s.delete([victim], keyed=Keyed(key, key))
                 except StoreUnavailable:
                     return
+                self.keys[key] = ("delete", [r[0] for r in rows])
                 for item_id, _, _, source in rows:
                     if source == "added":
                         self.live_added.pop(item_id, None)
@@ -199,11 +212,14 @@ def make_machine(kind: str, pg=None):
                 s = self.live_store(g)
                 if s is None:
                     return
+                key = f"delete-{self.n}"
+                self.n += 1
                 try:
-                    seq, rows = s.delete(label=label)
+                    _, rows = s.delete(label=label, keyed=Keyed(key, key))
                 except StoreUnavailable:
                     return
-                if seq:
+                self.keys[key] = ("delete", [r[0] for r in rows])  # (none: a recorded no-op)
+                if rows:
                     self.dead_labels.add(label)
                     for item_id, _, _, source in rows:
                         if source == "added":
@@ -388,6 +404,13 @@ def make_machine(kind: str, pg=None):
                     if source == "trained":
                         assert label not in self.dead_labels, (item_id, label)
                         assert json.loads(md)["dataset_index"] not in self.dead_keys, item_id
+                for key, (op, ids) in self.keys.items():  # (issue 51: carried with the writes)
+                    found = s.request(key)
+                    assert found is not None, f"the Idempotency record of {op} {key} is lost"
+                    named = found[2].get("ids") or [r[0] for r in found[2].get("rows", [])]
+                    assert (found[2]["op"], sorted(named)) == (op, sorted(ids)), (key, found)
+                    assert 0 < found[1] <= s.last_seq(), (key, found)  # (a write of this log)
+                seen("Idempotency records checked")
                 all_ids = s._select("SELECT id, label, source FROM items WHERE source = 'added'")
                 for item_id, label, _ in all_ids:  # an id is one item, wherever it is
                     if item_id in self.live_added:
