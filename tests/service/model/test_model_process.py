@@ -244,6 +244,13 @@ def test_a_busy_model_process_is_not_killed_and_its_queue_is_bounded(
         "SNCA_MAX_BATCH": "1",
     }  # fmt: skip (one image per forward: the slowest honest pace)
     s = Server(base_run, tmp_path / "data", env, model_process=True)
+    try:
+        _flood(s, timeout, fmnist_test)
+    finally:
+        s.kill()
+
+
+def _flood(s, timeout: float, fmnist_test) -> None:
     model = readyz(s.url).json()["model_pid"]
     images = [png(fmnist_test, i) for i in range(64)]
     files = [("images", (f"{i}.png", b, "image/png")) for i, b in enumerate(images)]
@@ -278,7 +285,6 @@ def test_a_busy_model_process_is_not_killed_and_its_queue_is_bounded(
     assert all(r.json()["code"] == "model_busy" for r in busy), [r.json() for r in busy]
     assert all(int(r.headers["Retry-After"]) >= 1 for r in busy)
     assert set(ready) == {200}, ready  # (busy is not unready)
-    s.kill()
 
 
 REQUESTS = [
