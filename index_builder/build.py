@@ -9,6 +9,7 @@ dir is assembled under a temporary name and renamed into place only when complet
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -101,11 +102,58 @@ def check_run_dir(cfg: BuildConfig) -> None:
 
 def _train_raw(cfg: BuildConfig, log):
     """The run's training split as training read it (re-embedding and thumbnails read it),
-    found through the run dir's dataset provenance record."""
+    found through the run dir's dataset provenance record; for a run that learned from a whole
+    gallery (gallery_trained), the dataset its trained items' images come from."""
     try:
+        g = gallery_trained(cfg.run_dir)
+        if g is not None:
+            return g.provenance.load_train(None, log)
         return RunDir(cfg.run_dir).read_provenance().load_train(cfg.data_dir, log)
     except ArtifactError as e:
         raise SNCAError(str(e)) from None
+
+
+@dataclass
+class GalleryTrained:
+    """A run trained on a gallery export that holds the gallery's trained items
+    (`snca-gallery export --trained`, what `snca-gallery learn` trains on): its index holds
+    those trained items, held-out ones included, by their own dataset and dataset index (so a
+    carry finds them as it finds any trained item), re-embedded from that dataset; the items
+    users added come through the carry from the store."""
+
+    provenance: object  # embedding.rundir.DatasetProvenance of the trained items' dataset
+    labels: list[str]  # each trained item's label in the gallery (at the export)
+    dataset_indices: np.ndarray  # (N,) int64
+
+
+def gallery_trained(run_dir: Path) -> GalleryTrained | None:
+    """GalleryTrained of a run trained on such an export (None: any other run)."""
+    from embedding.rundir import DatasetProvenance
+
+    try:
+        prov = RunDir(run_dir).read_provenance()
+    except ArtifactError:
+        return None
+    if prov.dataset != "gallery" or not prov.root:
+        return None
+    export = Path(prov.root).parent
+    try:
+        summary = json.loads((export / "export.json").read_text())
+    except (OSError, ValueError):
+        return None
+    trained = summary.get("trained")
+    if not trained:
+        return None
+    source = DatasetProvenance.from_dict(trained.get("provenance"), f"{export}/export.json")
+    labels, indices = [], []
+    with open(export / "items.jsonl", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            md = row.get("metadata") or {}
+            if row.get("source") == "trained" and row.get("image") and "dataset_index" in md:
+                labels.append(row["label"])
+                indices.append(int(md["dataset_index"]))
+    return GalleryTrained(source, labels, np.asarray(indices, dtype=np.int64))
 
 
 def _check_indices(raw, dataset_indices: np.ndarray) -> None:
@@ -216,6 +264,17 @@ def load_vectors(cfg: BuildConfig, log=_say) -> tuple[Vectors, object]:
         raise SNCAError(str(e)) from None
     labels = bank.labels.numpy().astype(np.int64)
     indices = bank.indices.numpy().astype(np.int64)
+    g = gallery_trained(cfg.run_dir) if cfg.trained_items else None
+    if g is not None:  # the gallery's trained items, not the memory bank's export images
+        names = {n: i for i, n in enumerate(model.config.class_names)}
+        unknown = sorted({lab for lab in g.labels if lab not in names})
+        if unknown:
+            raise SNCAError(f"trained items of labels the model does not name: {unknown[:5]}")
+        labels = np.asarray([names[lab] for lab in g.labels], dtype=np.int64)
+        indices = g.dataset_indices
+        log(f"the gallery's {len(labels)} trained items ({g.provenance.dataset}), re-embedded")
+        if cfg.source == "memory":
+            raise SNCAError("a run that learned from a gallery indexes with --source recompute")
     # an index of no vectors: a run of `snca-train --epochs 0` (nothing trained), or one whose
     # training images the carried gallery already holds (--no-trained-items)
     if not cfg.trained_items:
@@ -584,8 +643,13 @@ def build(cfg: BuildConfig, log=_say) -> IndexManifest:
 
             world.save(world_fit, stage, model.fingerprint)
         names = model.config.class_names
+        g = gallery_trained(cfg.run_dir) if cfg.trained_items else None
         try:
-            dataset = RunDir(cfg.run_dir).read_provenance().dataset
+            dataset = (
+                g.provenance.dataset
+                if g is not None
+                else RunDir(cfg.run_dir).read_provenance().dataset
+            )
         except ArtifactError:  # a memory-bank index needs no images; the name is informative
             dataset = None
         emb_le = vec.embeddings.astype("<f4", copy=False)

@@ -18,7 +18,7 @@ from embedding.errors import SNCAError
 from embedding.model import SPACES
 from embedding.sysalloc import keep_freed_memory
 
-from .build import DEVICES, SOURCES, BuildConfig, build, current_build
+from .build import DEVICES, SOURCES, BuildConfig, build, current_build, gallery_trained
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # re-embedding allocates the same large batches over and over
     given = {f.name: getattr(args, f.name) for f in fields(BuildConfig) if hasattr(args, f.name)}
     if given.get("trained_items") is None:  # a gallery's own images: the carry brings them
-        given["trained_items"] = _trained_on(args.run_dir) != "gallery"
+        # (a run that learned from the whole gallery indexes its trained items: their carry
+        # finds them by dataset index; what users added comes from the store)
+        given["trained_items"] = (
+            _trained_on(args.run_dir) != "gallery" or gallery_trained(args.run_dir) is not None
+        )
     cfg = BuildConfig(
         **{
             **given,

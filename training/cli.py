@@ -61,6 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
         "postgresql://USER[:PASSWORD]@HOST:PORT/DB (default as snca-gallery's: SNCA_STORE, "
         "else the data dir's SQLite file); read, never written; not saved in the run dir",
     )
+    g.add_argument(
+        "--gallery-trained",
+        action="store_true",
+        help="--dataset gallery: train on the gallery's trained items too (their images read "
+        "from the dataset the served model names), not only on what users added: the whole "
+        "gallery (what snca-gallery learn does)",
+    )
+    g.add_argument(
+        "--gallery-hold-out",
+        type=float,
+        metavar="F",
+        help="--dataset gallery: leave a share F of every label of 8 or more items out of "
+        "training (chosen by a hash of the id: the held-out part snca-gallery learn compares on)",
+    )
     g.add_argument("--classes", help="train on these classes only: ids or names, comma-separated")
     g.add_argument(
         "--coarse",
@@ -234,7 +248,10 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, bool, bool]:
     if args.resume and args.overwrite:
         raise SNCAError("--resume and --overwrite contradict each other; pass one")
     explicit = {
-        k: v for k, v in vars(args).items() if k not in ("config", "resume", "overwrite", "store")
+        k: v
+        for k, v in vars(args).items()
+        if k
+        not in ("config", "resume", "overwrite", "store", "gallery_trained", "gallery_hold_out")
     }
     values: dict = {}
     if getattr(args, "config", None):
@@ -302,8 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     try:
         cfg, resume, overwrite = resolve_config(args)
-        if getattr(args, "store", None) and cfg.dataset != "gallery":
-            raise SNCAError("--store applies to --dataset gallery only")
+        gallery_flags = ("store", "gallery_trained", "gallery_hold_out")
+        if cfg.dataset != "gallery" and any(getattr(args, f, None) for f in gallery_flags):
+            raise SNCAError(
+                "--store, --gallery-trained, --gallery-hold-out apply to --dataset gallery only"
+            )
         if cfg.dataset == "gallery":
             from .gallery_source import materialize
 
@@ -312,7 +332,14 @@ def main(argv: list[str] | None = None) -> int:
                     "--dataset gallery runs in one process: export the gallery (snca-gallery "
                     "export OUT) and train on OUT/images with --dataset imagefolder"
                 )
-            materialize(cfg, getattr(args, "store", None), resume, "embedding_dim" in vars(args))
+            materialize(
+                cfg,
+                getattr(args, "store", None),
+                resume,
+                "embedding_dim" in vars(args),
+                trained=getattr(args, "gallery_trained", False),
+                hold_out=getattr(args, "gallery_hold_out", None),
+            )
         from embedding.device import resolve_device
 
         from .trainer import train

@@ -42,12 +42,20 @@ def served_model(init: str | None) -> Path:
 
 
 def materialize(
-    cfg: TrainConfig, store: str | None, resume: bool, width_given: bool = False, log=print
+    cfg: TrainConfig,
+    store: str | None,
+    resume: bool,
+    width_given: bool = False,
+    log=print,
+    trained: bool = False,
+    hold_out: float | None = None,
 ) -> dict:
     """Export the gallery (or, on --resume, reuse the export the run started on); point
     cfg.data_dir at its images; unless `width_given` (--embedding-dim), keep the served
     model's embedding width, so that its embedding layer is where training starts (a model
-    served with nothing trained: the identity on its pooled features). Returns export.json."""
+    served with nothing trained: the identity on its pooled features). `trained`: the trained
+    items' images too (snca-gallery export --trained); `hold_out`: a share of every label's
+    items left out, under heldout/ (--hold-out). Returns export.json."""
     model = served_model(cfg.init)
     if not width_given and not resume:
         card = json.loads((model / "model.json").read_text())
@@ -65,6 +73,8 @@ def materialize(
         shutil.rmtree(tmp, ignore_errors=True)
         cmd = [sys.executable, "-m", "service.tools.gallery_tool", "export", str(tmp)]
         cmd += ["--model", str(model), "--progress" if cfg.progress else "--no-progress"]
+        cmd += ["--trained"] if trained else []
+        cmd += ["--hold-out", str(hold_out)] if hold_out else []
         if cfg.data_dir:
             cmd += ["--data-dir", str(cfg.data_dir)]
         if store:

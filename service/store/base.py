@@ -670,3 +670,7 @@ class StoreReader:
     def item_rows(self, after_id: int, limit: int) -> list[ItemRow]:
         q = sql.item_rows_query(self.d, None, None)
         return item_rows(self.conn.execute(q, (after_id, limit)).fetchall())
+
+    def label_counts(self) -> dict[str, int]:
+        """Live items per label."""
+        return dict(self.conn.execute(sql.LABEL_COUNTS).fetchall())

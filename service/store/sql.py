@@ -109,6 +109,7 @@ MOVE_LABEL = (
     "UPDATE items SET label = {p}, add_seq = {p} "
     "WHERE id = {p} AND deleted_seq IS NULL AND label <> {p}"
 )
+LABEL_COUNTS = "SELECT label, COUNT(*) FROM items WHERE deleted_seq IS NULL GROUP BY label"
 HAS_LABEL = "SELECT 1 FROM items WHERE label = {p} AND deleted_seq IS NULL LIMIT 1"
 
 # ---------------------------------------------------------------------------------- tombstones

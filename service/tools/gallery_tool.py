@@ -105,7 +105,50 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="write every item and stored image out", argument_default=argparse.SUPPRESS
     )
     exp.add_argument("out", type=Path, help="a new or empty folder")
+    exp.add_argument(
+        "--trained",
+        action="store_true",
+        help="also the trained items' images (from the dataset the model's run dir names): "
+        "what a model learns from the whole gallery needs (snca-gallery learn)",
+    )
+    exp.add_argument(
+        "--hold-out",
+        type=float,
+        metavar="F",
+        help="a share F (0-0.5) of the items of every label of 8 or more, chosen by a hash of "
+        "the id, under heldout/ instead of images/ (what a learned model is compared on)",
+    )
     _shared_flags(exp)
+    le = sub.add_parser(
+        "learn",
+        help="retrain the served model on what the gallery holds now (trained, added, corrected "
+        "items), compare it with the served one on a held-out part, and switch to it live "
+        "only when it is not worse; resumable (run again with the same --out)",
+        argument_default=argparse.SUPPRESS,
+    )
+    le.add_argument("--out", type=Path, help="the learned run dir (default MODEL-learned-vVERSION)")
+    le.add_argument("--epochs", type=positive_int, help="training epochs (default 3)")
+    le.add_argument(
+        "--hold-out",
+        type=float,
+        metavar="F",
+        help="share of every label of 8+ items kept out of training to compare on (default 0.1)",
+    )
+    le.add_argument(
+        "--no-switch",
+        dest="switch",
+        action="store_false",
+        help="train, index and compare, but leave the served model live",
+    )
+    le.add_argument(
+        "--min-gain",
+        type=float,
+        help="switch only when the learned model's held-out score (the harmonic mean of "
+        "top-1 on trained and on added items) beats the served one's by this much (default 0: "
+        "not worse; negative: even a little worse)",
+    )
+    le.add_argument("--seed", type=int, help="training seed")
+    _shared_flags(le)
     up = sub.add_parser(
         "upgrade",
         help="build --to's gallery beside the live one (re-embedding every stored image, then "
@@ -191,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     label_ops.add_parsers(sub, _shared_flags)
     review_ops.add_parsers(sub, _shared_flags)
-    for x in (imp, exp, up, rb):
+    for x in (imp, exp, up, rb, le):
         x.add_argument(
             "--progress",
             action=argparse.BooleanOptionalAction,
@@ -418,6 +461,9 @@ def export_items(args: dict, log=print) -> int:
     from embedding.progress import Progress
 
     out: Path = args["out"]
+    hold = args.get("hold_out")
+    if hold is not None and not 0.0 <= hold <= 0.5:
+        raise SNCAError(f"--hold-out {hold}: a share between 0 and 0.5")
     # The folder is opened once and everything is created inside it through that handle, new
     # (O_EXCL) and never through a symbolic link (O_NOFOLLOW): a link planted in OUT while
     # the model loads cannot send a file elsewhere.
@@ -440,13 +486,46 @@ def export_items(args: dict, log=print) -> int:
 
 
 def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
+    """Write the export (see the module docstring) from the store's point-in-time `view`: the
+    added items' stored images, with --trained the trained items' images too (from the dataset
+    the served model's run dir names: service/tools/trained_images.py), with --hold-out F a share
+    F of the items of every label of at least HOLD_OUT_MIN items under heldout/ instead of
+    images/ (what a model learning from images/ is compared on). (items, images, version)."""
+    from service.tools.trained_images import (
+        HOLD_OUT_MIN,
+        TrainedImages,
+        held_out,
+        trained_provenance,
+    )
+
     version = view.last_seq()
-    label_dirs: dict[str, str] = {}
-    dir_fds: dict[str, int] = {}
-    taken: set[str] = set()
-    images, after, missing = {}, -1, 0
-    images_dir = _mkdir(root, "images")
+    trained = None
+    if args.get("trained"):
+        prov = trained_provenance(Path(state.settings.model))
+        if prov is None:
+            raise SNCAError(
+                f"--trained: {state.settings.model} records no dataset its trained items come "
+                "from (a model with nothing trained has none: leave --trained out)"
+            )
+        trained = TrainedImages(prov)
+    hold = float(args.get("hold_out") or 0.0)
+    counts = view.label_counts() if hold else {}
+    folders = _Folders(root)
+    images: dict[int, str] = {}
+    missing = n_trained = n_held = 0
+
+    def put(item_id: int, label: str, data: bytes, suffix: str) -> str:
+        nonlocal n_held
+        top = "images"
+        if counts.get(label, 0) >= HOLD_OUT_MIN and held_out(item_id, hold):
+            top, n_held = "heldout", n_held + 1
+        sub, fd = folders.of(top, label)
+        name = f"{item_id}.{suffix}"
+        _write_new(fd, name, data)
+        return f"{top}/{sub}/{name}"
+
     try:
+        after = -1
         while True:  # the stored images of added items, by id
             page = view.added_items(after, 500)
             if not page:
@@ -454,44 +533,52 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
             for it in page:
                 missing += it.image is None
                 if it.image is not None:
-                    sub = label_dirs.setdefault(it.label, _folder(it.label, taken))
-                    if sub not in dir_fds:
-                        dir_fds[sub] = _mkdir(images_dir, sub)
-                    name = f"{it.id}.{EXT.get(it.image_type or '', 'bin')}"
-                    _write_new(dir_fds[sub], name, it.image)
-                    images[it.id] = f"images/{sub}/{name}"
+                    ext = EXT.get(it.image_type or "", "bin")
+                    images[it.id] = put(it.id, it.label, it.image, ext)
             after = page[-1].id
+        n = 0
+        total = state.gallery.size()
+        with Progress(total, "exporting", "item", enabled=args.get("progress", True)) as bar:
+            after = -1
+            fd = os.open("items.jsonl", _NEW, 0o644, dir_fd=root)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                while True:
+                    page = view.item_rows(after, 2000)
+                    if not page:
+                        break
+                    lines = []
+                    for r in page:
+                        if trained is not None and r.source == "trained":
+                            got = trained.image(r.metadata)
+                            if got is not None:
+                                images[r.id] = put(r.id, r.label, got[0], "t." + got[1])
+                                n_trained += 1
+                        row = {
+                            "id": r.id,
+                            "label": r.label,
+                            "source": r.source,
+                            "metadata": r.metadata,
+                            "created_at": r.created_at,
+                            "image": images.get(r.id),
+                        }
+                        if hold:
+                            row["held_out"] = (images.get(r.id) or "").startswith("heldout/")
+                        lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+                        n += 1
+                    f.write("".join(lines))
+                    bar.update(len(page))
+                    after = page[-1].id
     finally:
-        for fd in (*dir_fds.values(), images_dir):
-            os.close(fd)
-    n = 0
-    total = state.gallery.size()
-    with Progress(total, "exporting", "item", enabled=args.get("progress", True)) as bar:
-        after = -1
-        fd = os.open("items.jsonl", _NEW, 0o644, dir_fd=root)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            while True:
-                page = view.item_rows(after, 2000)
-                if not page:
-                    break
-                lines = []
-                for r in page:
-                    row = {
-                        "id": r.id,
-                        "label": r.label,
-                        "source": r.source,
-                        "metadata": r.metadata,
-                        "created_at": r.created_at,
-                        "image": images.get(r.id),
-                    }
-                    lines.append(json.dumps(row, ensure_ascii=False) + "\n")
-                    n += 1
-                f.write("".join(lines))
-                bar.update(len(page))
-                after = page[-1].id
-    _write_new(root, "labels.json", json.dumps(label_dirs, ensure_ascii=False, indent=1).encode())
-    summary = {"gallery_version": version, "items": n, "images": len(images)}
+        folders.close()
+    _write_new(
+        root, "labels.json", json.dumps(folders.labels, ensure_ascii=False, indent=1).encode()
+    )
+    summary = {"gallery_version": version, "items": n, "images": len(images) - n_held}
     summary["added_without_image"] = missing
+    if trained is not None:  # (what an index of a model learned from it re-embeds them from)
+        summary["trained"] = {"provenance": trained.provenance, "images": n_trained}
+    if hold:
+        summary["held_out"] = {"fraction": hold, "images": n_held, "min_label_items": HOLD_OUT_MIN}
     _write_new(root, "export.json", json.dumps(summary, indent=1).encode())
     if missing:  # a training run on OUT/images (snca-train --dataset imagefolder) lacks them
         print(
@@ -501,6 +588,32 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
             file=sys.stderr,
         )
     return n, len(images), version
+
+
+class _Folders:
+    """The label folders of an export (images/<folder>/, heldout/<folder>/), made on first
+    use inside the export's handle; `labels`: label -> folder (labels.json)."""
+
+    def __init__(self, root: int):
+        self.root = root
+        self.labels: dict[str, str] = {}
+        self._taken: set[str] = set()
+        self._fds: dict[tuple[str, str], int] = {}
+        self._tops: dict[str, int] = {}
+
+    def of(self, top: str, label: str) -> tuple[str, int]:
+        sub = self.labels.get(label)
+        if sub is None:
+            sub = self.labels[label] = _folder(label, self._taken)
+        if top not in self._tops:
+            self._tops[top] = _mkdir(self.root, top)
+        if (top, sub) not in self._fds:
+            self._fds[(top, sub)] = _mkdir(self._tops[top], sub)
+        return sub, self._fds[(top, sub)]
+
+    def close(self) -> None:
+        for fd in (*self._fds.values(), *self._tops.values()):
+            os.close(fd)
 
 
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
@@ -577,9 +690,14 @@ def main(argv: list[str] | None = None) -> int:
             return import_images(args)
         if args["cmd"] == "export":
             return export_items(args)
-        from service.tools import gallery_ops, label_ops, review_ops
+        from service.tools import gallery_ops, label_ops, learn, review_ops
 
-        commands = {**gallery_ops.COMMANDS, **label_ops.COMMANDS, **review_ops.COMMANDS}
+        commands = {
+            **gallery_ops.COMMANDS,
+            **label_ops.COMMANDS,
+            **review_ops.COMMANDS,
+            **learn.COMMANDS,
+        }
         return commands[args["cmd"]]({k.replace("-", "_"): v for k, v in args.items()})
     except ImportError as e:
         print(f"snca-gallery: error: {e} (pip install 'snca[serve]')", file=sys.stderr)

@@ -68,6 +68,21 @@ class Crash(Exception):
     """What a kill -9 at that point leaves (raised before or after a store transaction)."""
 
 
+class _Patched:
+    """An attribute of a class replaced for the duration of a with block."""
+
+    def __init__(self, cls, name: str, value):
+        self.cls, self.name, self.value = cls, name, value
+
+    def __enter__(self):
+        self.saved = getattr(self.cls, self.name)
+        setattr(self.cls, self.name, self.value)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.cls, self.name, self.saved)
+
+
 class Crasher:
     """Counts the store transactions (seq'd writes and meta bookkeeping) of one backend class
     and raises Crash at the `at`-th one, before it commits or just after."""
@@ -275,14 +290,41 @@ def make_machine(kind: str, pg=None):
                             s.add(label, [embedding(b"x")], [None], [(b"x", "image/png")])
 
         # -------------------------------------------------------------- day two
+        def racing(self, race: bool):
+            """With `race`: a client's add acknowledged by the source just before the seal's
+            transaction (what a real writer does between the last catch-up round and the
+            seal: the seal's own follow must carry it)."""
+            from service.store.carry import Carry
+
+            real = Carry.seal
+            machine = self
+
+            def seal(carry, st_, ending, op):
+                if race:
+                    b = image(machine.n)
+                    machine.n += 1
+                    try:
+                        _, ids = carry.source.store.add(
+                            "a", [embedding(b)], [None], [(b, "image/png")]
+                        )
+                    except StoreUnavailable:
+                        pass
+                    else:
+                        machine.live_added.update({i: "a" for i in ids})
+                        seen("adds racing a seal")
+                return real(carry, st_, ending, op)
+
+            return _Patched(Carry, "seal", seal)
+
         @rule(
             m=st.integers(0, 2),
             switch=st.booleans(),
             crash=CRASH_AT,
             after=st.booleans(),
+            race=st.booleans(),
         )
-        def upgrade(self, m, switch, crash, after):
-            with Crasher(self.place.cls, crash, after) as c:
+        def upgrade(self, m, switch, crash, after, race):
+            with self.racing(race), Crasher(self.place.cls, crash, after) as c:
                 out = self.place.upgrade(m, switch)
                 seen(
                     "switches"
@@ -323,8 +365,9 @@ def make_machine(kind: str, pg=None):
             m=st.integers(0, 2),
             crash=CRASH_AT,
             after=st.booleans(),
+            race=st.booleans(),
         )
-        def start_with_another_model(self, m, crash, after):
+        def start_with_another_model(self, m, crash, after, race):
             """snca-serve started with model m on the home store: the swap ending (a store with
             day-two galleries is refused: their alias ending is upgrade's)."""
             home = Path(self.place.home)
@@ -337,7 +380,7 @@ def make_machine(kind: str, pg=None):
             if p is None:
                 return
             data = DataDir(home.parent, home)
-            with Crasher(self.place.cls, crash, after) as c:
+            with self.racing(race), Crasher(self.place.cls, crash, after) as c:
                 migration.Migration(p, data, self.place.seeds[m], embed, 2).run()
                 seen("start-up carries (swap)")
             if crash is not None and c.n >= crash:
