@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedding.votes import RULES  # noqa: E402
+from embedding.votes import RULES
 
 TOP = 256  # base neighbours kept per query (the kNN-type rules read at most this many)
 
@@ -51,7 +51,9 @@ class Base:
 
     def rows(self, mask: torch.Tensor) -> Base:
         """The statistics of the queries `mask` selects."""
-        return Base(self.lse[mask], self.top_s[mask], self.top_y[mask], self.counts, self.sums, self.sigma)
+        return Base(
+            self.lse[mask], self.top_s[mask], self.top_y[mask], self.counts, self.sums, self.sigma
+        )
 
 
 def base_stats(q: torch.Tensor, g: torch.Tensor, y: torch.Tensor, nb: int, sigma: float) -> Base:
@@ -65,7 +67,9 @@ def base_stats(q: torch.Tensor, g: torch.Tensor, y: torch.Tensor, nb: int, sigma
         ts.append(v)
         ty.append(y[i])
     sums = torch.zeros(nb, g.shape[1], dtype=torch.float64).index_add_(0, y, g.double())
-    return Base(torch.cat(lse), torch.cat(ts), torch.cat(ty), torch.bincount(y, minlength=nb), sums, sigma)
+    return Base(
+        torch.cat(lse), torch.cat(ts), torch.cat(ty), torch.bincount(y, minlength=nb), sums, sigma
+    )
 
 
 @dataclass
@@ -237,7 +241,10 @@ def load(run: Path, limit: int | None):
     q = torch.cat([p.base_q, p.novel_q])
     qy = torch.cat([p.base_y, p.novel_y])
     b = base_stats(q, p.gallery, p.gallery_labels, p.num_base, p.temperature)
-    print(f"{run}: {len(p.gallery)} gallery items, {len(q)} queries, {time.monotonic() - t0:.0f} s", flush=True)
+    print(
+        f"{run}: {len(p.gallery)} gallery items, {len(q)} queries, {time.monotonic() - t0:.0f} s",
+        flush=True,
+    )
     return p, q, qy, b
 
 
@@ -292,7 +299,9 @@ def duplicate_guard(p, b: Base, q, qy, rules: list[str], n: int, k: int, seed: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", type=Path, help="run dirs trained on base classes (--classes)")
+    ap.add_argument(
+        "runs", nargs="+", type=Path, help="run dirs trained on base classes (--classes)"
+    )
     ap.add_argument("--shots", default="5,20,50")
     ap.add_argument("--draws", type=int, default=30)
     ap.add_argument("--rules", default="kde_shrunk,kde,knn")
@@ -318,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
         r["duplicate_guard"] = duplicate_guard(p, b, q, qy, rules, a.guard_draws, a.k, a.seed)
         for name, v in r["duplicate_guard"].items():
-            print(f"  duplicate guard {name:18s} {100 * v['mean']:.1f}% (worst {100 * v['worst']:.1f}%)")
+            print(
+                f"  duplicate guard {name:18s} {100 * v['mean']:.1f}% (worst {100 * v['worst']:.1f}%)"
+            )
         report["runs"][str(run)] = r
     if a.json:
         a.json.write_text(json.dumps(report, indent=2) + "\n")

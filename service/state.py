@@ -21,6 +21,7 @@ from embedding.index import IndexManifest
 from service.config import Settings
 from service.gallery import Gallery
 from service.gallery.snapshot import Snapshotter, write_snapshot
+from service.learned import Unlearned
 from service.metrics import Metrics
 from service.model.runtime import Runtime
 from service.store import ChangeSet, Store, StoreCarriedAway, StoreUnavailable
@@ -76,6 +77,7 @@ class ServiceState:
             flag = store.meta().get(STANDBY)
             self.standby = None if flag is None else standby_message(flag)
         self._rebuild = rebuild  # () -> (VectorIndex, items, version): the start-up load again
+        self._unlearned = Unlearned(settings.model)  # what snca-gallery learn would teach it
         self._closed = False
         self.started = time.time()
         self.update_gauges()
@@ -304,6 +306,11 @@ class ServiceState:
         return seq, path
 
     # ------------------------------------------------------------------ status
+    def unlearned(self) -> tuple[int, int]:
+        """(live items the served model has not learned from, the version counted at):
+        service/learned.py; recounted at most every few seconds."""
+        return self._unlearned.count(self.store, self.gallery.version)
+
     def update_gauges(self) -> None:
         added = self.gallery.added_size()
         self.metrics.gallery_items.labels("added").set(added)

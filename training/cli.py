@@ -224,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-workers", type=int, help=f"data loader workers (default {d.num_workers})")
     g.add_argument("--seed", type=int, help=f"default {d.seed}")
     g.add_argument(
+        "--balance",
+        type=float,
+        help="class-balanced draws: an image of a class of n images weighs n^-BALANCE (0: "
+        "every image once an epoch; 1: every class as often; with replacement) "
+        f"(default {d.balance})",
+    )
+    g.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, help="progress bars (default on)"
     )
     g.add_argument("--out", help=f"run dir (default {d.out})")

@@ -89,7 +89,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         world_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        weights: torch.Tensor | None = None,
     ):
+        """`weights` (n,): draw the epoch's n items with replacement, each with its weight
+        (class-balanced draws), instead of a permutation."""
         if global_batch % world_size:
             raise ValueError(
                 f"batch size {global_batch} must be divisible by the number of processes {world_size}"
@@ -99,6 +102,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.n, self.global_batch = n, global_batch
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle = seed, shuffle
+        self.weights = weights
         self.epoch = 0
         self.local = global_batch // world_size
 
@@ -109,8 +113,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return self.n // self.global_batch
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
+        g = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
+        if self.weights is not None:
+            order = torch.multinomial(self.weights, self.n, replacement=True, generator=g)
+        elif self.shuffle:
             order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)

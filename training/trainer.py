@@ -317,6 +317,16 @@ def train(
         raise
 
 
+def balanced_weights(labels, balance: float):
+    """(n,) draw weights n_c^-balance of each image of a class of n_c images (None: 0, every
+    image once an epoch)."""
+    if not balance:
+        return None
+    y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    counts = torch.bincount(y).double()
+    return counts[y].pow(-float(balance))
+
+
 class Trainer:
     """One training run in the staging dir, in steps: set-up (here), `train_epoch`,
     `end_epoch` (evaluation, checkpoint, metrics), `export` (model, memory bank, summary)."""
@@ -359,7 +369,12 @@ class Trainer:
             self.cfg = cfg = dataclasses.replace(cfg, batch_size=n)
         try:
             self.sampler = GlobalBatchSampler(
-                len(data.train), cfg.batch_size, dist.rank, dist.world_size, cfg.seed
+                len(data.train),
+                cfg.batch_size,
+                dist.rank,
+                dist.world_size,
+                cfg.seed,
+                weights=balanced_weights(data.train.labels, cfg.balance),
             )
         except ValueError as e:
             val = 0 if data.val is None else len(data.val)

@@ -28,6 +28,7 @@ from service.http.routes import (
     classify,
     corrections,
     gallery,
+    learning,
     ops,
     page,
     review,
@@ -332,7 +333,7 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
     if host.state is not None:  # (opened and finished before the app: snca-serve)
         admission.attach(host.state)
         open_review(host.state)
-    routers = (classify, gallery, corrections, suggestions, review, search, ops, page)
+    routers = (classify, gallery, corrections, suggestions, review, search, ops, learning, page)
     for r in (m.router for m in routers):
         app.include_router(r)
     app.mount("/static", StaticFiles(directory=page.STATIC_DIR), name="static")

@@ -72,6 +72,7 @@ CODES = {
     "too_many_waiting": "too many requests wait for an X-Min-Gallery-Version (per client or in "
     "all: SNCA_MAX_PARKED_PER_CLIENT, SNCA_MAX_PARKED); retry after Retry-After",
     "client_gone": "the client closed the connection while its request waited (logged only)",
+    "learn_running": "a learn runs already on this data dir (GET /admin/learn follows it)",
     "too_busy": "too many requests of this kind run at once (the detail says which bound); "
     "retry after Retry-After",
     "header_invalid": "a request header the service reads has an invalid value",

@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
         "top-1 on trained and on added items) beats the served one's by this much (default 0: "
         "not worse; negative: even a little worse)",
     )
+    le.add_argument(
+        "--balance",
+        type=float,
+        help="class-balanced training draws (snca-train --balance; default 0.5: a class of n "
+        "images drawn in proportion to the square root of n)",
+    )
     le.add_argument("--seed", type=int, help="training seed")
     _shared_flags(le)
     up = sub.add_parser(
@@ -502,12 +508,13 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
     trained = None
     if args.get("trained"):
         prov = trained_provenance(Path(state.settings.model))
-        if prov is None:
+        if prov is not None:
+            trained = TrainedImages(prov)
+        elif view.label_counts() and _has_trained(view):
             raise SNCAError(
                 f"--trained: {state.settings.model} records no dataset its trained items come "
-                "from (a model with nothing trained has none: leave --trained out)"
+                "from: their images cannot be exported"
             )
-        trained = TrainedImages(prov)
     hold = float(args.get("hold_out") or 0.0)
     counts = view.label_counts() if hold else {}
     folders = _Folders(root)
@@ -588,6 +595,14 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
             file=sys.stderr,
         )
     return n, len(images), version
+
+
+def _has_trained(view) -> bool:
+    return bool(
+        view.conn.execute(
+            "SELECT 1 FROM items WHERE source = 'trained' AND deleted_seq IS NULL LIMIT 1"
+        ).fetchone()
+    )
 
 
 class _Folders:

@@ -38,6 +38,9 @@ from service.tools.gallery_ops import _open_home, _runtime, settings_of, upgrade
 STATE = "learn.json"
 MIN_ITEMS = 20  # a gallery with fewer live items has nothing to learn from
 STEPS = ("trained", "indexed", "compared", "switched")
+# class-balanced draws in training (snca-train --balance): a label users made of 50 images
+# beside trained classes of 6,000 is otherwise drawn 120 times less often than each of them
+BALANCE = 0.5
 
 
 def served(args: dict, say) -> tuple[Path, Path, object]:
@@ -95,6 +98,20 @@ def _stream(cmd: list[str], say, what: str) -> None:
 
 
 def learn(args: dict, say=print) -> int:
+    """One learn at a time per data dir (service/learn_job.py's lock: the page's start too)."""
+    from service.learn_job import held
+
+    settings = settings_of(args)
+    with held(settings.data_dir) as mine:
+        if not mine:
+            raise SNCAError(
+                f"a learn is running on {settings.data_dir} already (started from the page or "
+                "another terminal): wait for it (GET /admin/learn says how far it is)"
+            )
+        return _learn(args, say)
+
+
+def _learn(args: dict, say) -> int:
     model, index, settings = served(args, say)
     version, live = _gallery_size(settings)
     if live < MIN_ITEMS:
@@ -111,23 +128,32 @@ def learn(args: dict, say=print) -> int:
     st.update(served=str(model.resolve()), served_index=str(index.resolve()))
     epochs = int(args.get("epochs") or 3)
     hold = float(args.get("hold_out") if args.get("hold_out") is not None else 0.1)
-    t0 = time.monotonic()
+    took = st.setdefault("seconds", {})
+
+    def done(step: str, t: float) -> None:
+        took[step] = round(took.get(step, 0.0) + time.monotonic() - t, 1)
+        say(f"  ({step}: {took[step]:.0f} s)")
+        _save(out, st)
+
     if not st.get("trained"):
         say(f"learn 1/4: training {out.name} from {model.name} on the gallery ({epochs} epochs)")
+        t = time.monotonic()
         _train(args, settings, model, out, epochs, hold, say)
         st["trained"] = True
-        _save(out, st)
+        done("trained", t)
     if not st.get("indexed"):
         say("learn 2/4: indexing the gallery's trained items with the new model")
+        t = time.monotonic()
         thumbs = ["--thumbnails"] if settings.thumbnails else []
         cmd = [sys.executable, "-m", "index_builder", str(out), "--reuse", *thumbs]
         _stream([*cmd, _progress(args)], say, "snca-build-index")
         st["indexed"] = True
-        _save(out, st)
+        done("indexed", t)
     if "compared" not in st:
         say("learn 3/4: comparing the served model and the new one on the held-out items")
+        t = time.monotonic()
         st["compared"] = compare(args, settings, model, index, out, say)
-        _save(out, st)
+        done("compared", t)
     c = st["compared"]
     better, why = decide(c, float(args.get("min_gain") or 0.0))
     say(f"held-out items: served {_said(c['old'])}; learned {_said(c['new'])}{why}")
@@ -142,12 +168,12 @@ def learn(args: dict, say=print) -> int:
             f"learn 4/4: switching the live gallery to {out.name} (the writes made meanwhile carried)"
         )
         up = {k: v for k, v in args.items() if k not in ("out", "epochs", "hold_out", "cmd")}
+        t = time.monotonic()
         upgrade(
             {**up, "model": str(model), "index": str(index), "to": str(out), "switch": True}, say
         )
         st["switched"] = True
-        st["seconds"] = round(time.monotonic() - t0 + st.get("seconds", 0.0), 1)
-        _save(out, st)
+        done("switched", t)
     say(f"learn: done, {out} serves the gallery (snca-gallery rollback switches back)")
     return 0
 
@@ -181,6 +207,8 @@ def _train(args: dict, settings, model: Path, out: Path, epochs: int, hold: floa
     cmd += ["--gallery-hold-out", str(hold)] if hold else []
     cmd += ["--store", settings.store_url] if settings.store_url else []
     cmd += ["--val-size", "0", "--out", str(out), _progress(args)]
+    balance = args.get("balance")
+    cmd += ["--balance", str(BALANCE if balance is None else balance)]
     if (out / RunDir.SUMMARY).is_file():
         return  # (trained before a kill that came before learn.json said so)
     if out.with_name(out.name + ".partial").is_dir():

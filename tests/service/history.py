@@ -148,6 +148,13 @@ class Cluster:
             self.servers[self.n] = (model, pair, s)
             return self.n
 
+    def add_model(self, run: Path) -> None:
+        """A model a learn made and switched to: servers and commands may use it."""
+        name = run.name
+        with self.lock:
+            self.models[name] = run
+            self.gens[name] = gen_of_run(run)
+
     def urls(self) -> list[str]:
         with self.lock:
             return [s.url for _, _, s in self.servers.values() if s.proc.poll() is None]
@@ -474,6 +481,7 @@ class Nemesis(threading.Thread):
         self.backup_running: tuple[Path, float] | None = None
         self.imports: list[tuple[str, int, str, str]] = []  # (label, images, outcome, folder)
         self.error: BaseException | None = None
+        self.learns = 0
 
     def run(self) -> None:
         try:
@@ -551,9 +559,13 @@ class Nemesis(threading.Thread):
         self.journal.event(f"snca-gallery {' '.join(args)}: {rc}{said}")
         if name == "backup" and rc == 0 and self.backup_running is not None:
             self.backups.append((*self.backup_running, time.monotonic()))  # (path, start, end)
-        if name in ("upgrade", "rollback"):
+        if name in ("upgrade", "rollback", "learn"):
             self.pending = None if rc == 0 else (model, args)
-            if rc == 0 and (name == "rollback" or "--switch" in args):
+            if rc == 0 and name == "learn":  # (a model of its own from now on)
+                out = Path(args[args.index("--out") + 1])
+                if json.loads((out / "learn.json").read_text()).get("switched"):
+                    self.cluster.add_model(out)
+            if rc == 0 and (name in ("rollback", "learn") or "--switch" in args):
                 self.replay_some()
 
     def replay_some(self, n: int = 8) -> None:
@@ -590,11 +602,22 @@ class Nemesis(threading.Thread):
             out = c.tmp / f"backup-{uuid.uuid4().hex[:8]}"
             self.backup_running = (out, time.monotonic())
             self.launch(self.live_model(), ("backup", str(out)), 0.0)
-        elif r < 0.92:
+        elif r < 0.90:
             keep = str(self.rng.randrange(0, 20))
             self.launch(self.live_model(), ("compact", "--keep", keep), 0.0)
+        elif r < 0.95:
+            self.learn()
         else:
             self.import_some()
+
+    def learn(self) -> None:
+        """`snca-gallery learn` (issue 52): one epoch on the whole gallery, switched whether
+        better or not (--min-gain -1: the switch is what is exercised), maybe killed and run
+        again with the same --out (resumable)."""
+        self.learns += 1
+        out = self.cluster.tmp / f"learned-{self.learns}"
+        args = ("learn", "--out", str(out), "--epochs", "1", "--min-gain", "-1", "--no-progress")
+        self.launch(self.live_model(), args, 0.3)
 
     # ------------------------------------------------------------------ the faults
     def fault(self) -> None:

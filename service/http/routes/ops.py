@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -12,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from service.http.deps import GuardedRoute, StateDep, access, may_read, scope_of
 from service.http.problems import Problem
 from service.http.schemas import SnapshotResult
+from service.store import StoreUnavailable
 
 router = APIRouter(tags=["operations"], route_class=GuardedRoute)
 
@@ -73,6 +75,9 @@ async def readyz(request: Request):
     }
     if state.migration is not None:
         body["migration"] = state.migration.to_dict()
+    with contextlib.suppress(StoreUnavailable):  # (what snca-gallery learn would teach it)
+        unlearned, at = await run_in_threadpool(state.unlearned)
+        body["unlearned"] = {"items": unlearned, "gallery_version": at}
     body["store"] = state.store.url
     if state.rebuilds:
         body["rebuilds"] = state.rebuilds

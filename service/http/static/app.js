@@ -234,7 +234,38 @@ async function register(ev) {
 }
 
 // ---------------------------------------------------------------- labels
+// ---------------------------------------------------------------- learn (issue 52)
+let learnTimer = null;
+async function loadLearn() {
+  try {
+    const r = await api("/admin/learn");
+    const n = r.unlearned ? r.unlearned.items : null;
+    $("learn-summary").textContent = r.running
+      ? "Learning: the model is being retrained on the gallery (it switches when the new one is not worse)."
+      : (n === null ? "" : `${n} item${n === 1 ? "" : "s"} the model has not learned from.`);
+    $("learn-log").hidden = !r.log.length;
+    $("learn-log").textContent = r.log.join("\n");
+    $("learn-start").dataset.running = r.running ? "1" : "";
+    applyAccess();
+    clearTimeout(learnTimer);
+    if (r.running) learnTimer = setTimeout(loadLearn, 2000);
+  } catch (e) {
+    $("learn-summary").textContent = e.message;
+  }
+}
+
+async function startLearn() {
+  try {
+    await api("/admin/learn", { method: "POST" });
+    say("Learning started: the log below follows it.");
+  } catch (e) {
+    say(e.message);
+  }
+  loadLearn();
+}
+
 async function loadLabels() {
+  loadLearn();
   try {
     // every page (the service answers up to 1,000 labels a page)
     const all = [];
@@ -476,6 +507,9 @@ function applyAccess() {
   }
   $("review-readonly").hidden = !readOnly;
   $("review-readonly").textContent = readOnly ? `Naming and dismissing are off: ${why}.` : "";
+  const learning = $("learn-start").dataset.running === "1";
+  $("learn-start").disabled = readOnly || learning;
+  $("learn-start").title = readOnly ? why : (learning ? "a learn is running" : "");
 }
 
 async function refreshStatus() {
@@ -518,6 +552,7 @@ document.addEventListener("DOMContentLoaded", () => {
   dropZone($("search-file").parentElement, $("search-file"), search);
   $("register-form").addEventListener("submit", register);
   $("suggest-accept").addEventListener("click", acceptSuggestions);
+  $("learn-start").addEventListener("click", startLearn);
   $("classify-register").addEventListener("click", carryToRegister);
   $("empty-register").addEventListener("click", () => showTab("register"));
   $("register-files").addEventListener("change", () => { $("register-carried").hidden = true; });

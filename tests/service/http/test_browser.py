@@ -290,3 +290,42 @@ def test_the_review_flow_in_the_browser(base_run, browser, tmp_path, fmnist_test
         page.close()
     finally:
         s.kill(15)
+
+
+@pytest.mark.slow
+def test_learn_from_the_labels_tab(base_run, browser, tmp_path, fmnist_train):
+    """Issue 52's page: the Labels tab says how many items the model has not learned from, a
+    write key starts snca-gallery learn as one background job (a second start is refused while
+    it runs) and its output follows on the page until it is done."""
+    from playwright.sync_api import expect
+
+    key = "learn-write-key-1"
+    s = Server(base_run, tmp_path / "serve", {"SNCA_API_KEY": key})
+    try:
+        with httpx.Client(base_url=s.url, headers={"X-API-Key": key}, timeout=60) as c:
+            for label, cls in (("top", 0), ("pullover", 2)):
+                files = [("images", (f"{i}.png", png(fmnist_train, i), "image/png"))
+                         for i in of_class(fmnist_train, cls, 30)]  # fmt: skip
+                assert c.post("/gallery/add", data={"label": label}, files=files).status_code == 201
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(s.url + "/")
+        page.click("nav button[data-tab=labels]")
+        expect(page.locator("#learn-summary")).to_contain_text("60 items the model has not learned")
+        expect(page.locator("#learn-start")).to_be_disabled()  # (no key yet)
+        page.fill("#apikey", key)
+        page.dispatch_event("#apikey", "change")
+        page.click("nav button[data-tab=labels]")
+        expect(page.locator("#learn-start")).to_be_enabled()
+        page.click("#learn-start")
+        expect(page.locator("#learn-summary")).to_contain_text("Learning", timeout=30_000)
+        expect(page.locator("#learn-start")).to_be_disabled()
+        r = httpx.post(s.url + "/admin/learn", headers={"X-API-Key": key}, timeout=30)
+        assert r.status_code == 409 and r.json()["code"] == "learn_running", r.text
+        expect(page.locator("#learn-log")).to_contain_text("learn 1/4", timeout=60_000)
+        expect(page.locator("#learn-log")).to_contain_text("learn: ", timeout=300_000)
+        expect(page.locator("#learn-summary")).not_to_contain_text("Learning")
+        assert not errors, errors
+    finally:
+        s.kill(15)

@@ -73,6 +73,24 @@ def _ids_live(backend, ids: list[int]) -> bool:
         s.close()
 
 
+def _unlearned(backend, run) -> int:
+    from service.learned import Unlearned
+    from service.store.galleries import alias
+    from service.store.registry import open_as_found
+
+    home = backend.url or str(backend.tmp / "data" / "gallery.sqlite")
+    h = open_as_found(home)
+    try:
+        target = h.sibling(home, alias(h)["gen"])
+    finally:
+        h.close()
+    s = open_as_found(target)
+    try:
+        return Unlearned(run).count(s, s.last_seq())[0]
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_learn_keeps_the_served_model_unless_the_learned_one_is_better(
     kind, request, base_run, tmp_path, fmnist_train
@@ -83,6 +101,14 @@ def test_learn_keeps_the_served_model_unless_the_learned_one_is_better(
     try:
         backend.tool(base_run, "import", _shots(tmp_path / "shots", fmnist_train), "--no-progress")
         _, before = _live(backend)
+        # what the served model has not learned: the 60 images users added (/readyz says)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            said = httpx.get(server.url + "/readyz", timeout=30).json().get("unlearned", {})
+            if said.get("items") == 60:
+                break
+            time.sleep(1)
+        assert said.get("items") == 60, said
         out = tmp_path / "learned"
         # asked for a gain no model reaches: trained, indexed, compared, not switched
         p = backend.tool(
@@ -105,6 +131,9 @@ def test_learn_keeps_the_served_model_unless_the_learned_one_is_better(
         assert model == str(out.resolve()), p.stdout
         assert after == {**before, "late": 2}, (before, after)
         assert _ids_live(backend, late), late
+        # the learned model has learned all but its held-out items and the 2 added since
+        held = json.loads((tmp_path / "learned.gallery" / "export.json").read_text())["held_out"]
+        assert _unlearned(backend, out) == held["images"] + 2
         assert decide(c, 1.0)[0] is False and decide(c, -1.0)[0] is True
     finally:
         server.kill()
