@@ -150,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     le.add_argument(
         "--balance",
         type=float,
-        help="class-balanced training draws (snca-train --balance; default 0.5: a class of n "
-        "images drawn in proportion to the square root of n)",
+        help="class-balanced training draws (snca-train --balance; default 1: every label "
+        "drawn as often, whatever its size)",
     )
     le.add_argument("--seed", type=int, help="training seed")
     _shared_flags(le)

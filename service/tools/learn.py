@@ -38,9 +38,10 @@ from service.tools.gallery_ops import _open_home, _runtime, settings_of, upgrade
 STATE = "learn.json"
 MIN_ITEMS = 20  # a gallery with fewer live items has nothing to learn from
 STEPS = ("trained", "indexed", "compared", "switched")
-# class-balanced draws in training (snca-train --balance): a label users made of 50 images
+# class-balanced draws in training (snca-train --balance; 1: every label drawn as often, the better
+# of 0.5 and 1 measured, docs/RESULTS.md): a label users made of 50 images
 # beside trained classes of 6,000 is otherwise drawn 120 times less often than each of them
-BALANCE = 0.5
+BALANCE = 1.0
 
 
 def served(args: dict, say) -> tuple[Path, Path, object]:
