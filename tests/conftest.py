@@ -135,6 +135,8 @@ LONG_FILES = (
     "tests/service/http/test_hardening.py",
     "tests/service/test_colour_photos.py",
     "tests/service/tools/test_gallery_tool.py",
+    "tests/service/tools/test_learn.py",
+    "tests/service/http/test_browser.py",
 )
 
 
