@@ -61,6 +61,8 @@ SERVICE_TOP = {
     "registration",
     "metrics",
     "logs",
+    "learned",  # what the served model has not learned from (/readyz)
+    "learn_job",  # snca-gallery learn as the service's background job, its lock
 }
 SERVICE_LAYERS = {
     "store": set(),  # the system of record: nothing of the service above it
@@ -69,9 +71,9 @@ SERVICE_LAYERS = {
     "review": {"store", "gallery", "config", "logs"},  # the review queue: keep, group
     # the app, routes: the service's operations (registration) and what it observes
     "http": {"store", "gallery", "model", "review", "config", "state", "startup"}
-    | {"registration", "metrics", "logs"},
+    | {"registration", "metrics", "logs", "learn_job"},
     "tools": {"store", "gallery", "model", "review", "config", "state", "startup"}
-    | {"registration", "logs"},  # the CLIs
+    | {"registration", "logs", "learn_job", "learned"},  # the CLIs
     "config": {"store"},
     "metrics": set(),  # what every process counts (prometheus)
     "logs": set(),  # JSON lines with the request id

@@ -326,11 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     try:
         cfg, resume, overwrite = resolve_config(args)
-        gallery_flags = ("store", "gallery_trained", "gallery_hold_out")
-        if cfg.dataset != "gallery" and any(getattr(args, f, None) for f in gallery_flags):
-            raise SNCAError(
-                "--store, --gallery-trained, --gallery-hold-out apply to --dataset gallery only"
-            )
+        given = [
+            f for f in ("store", "gallery_trained", "gallery_hold_out") if getattr(args, f, None)
+        ]
+        if cfg.dataset != "gallery" and given:
+            flag = "--" + given[0].replace("_", "-")
+            raise SNCAError(f"{flag} applies to --dataset gallery only")
+
         if cfg.dataset == "gallery":
             from .gallery_source import materialize
 

@@ -300,7 +300,9 @@ def test_learn_from_the_labels_tab(base_run, browser, tmp_path, fmnist_train):
     from playwright.sync_api import expect
 
     key = "learn-write-key-1"
-    s = Server(base_run, tmp_path / "serve", {"SNCA_API_KEY": key})
+    run = tmp_path / "run"  # (the learned run dir goes beside the served one: not the shared one)
+    shutil.copytree(base_run, run)
+    s = Server(run, tmp_path / "serve", {"SNCA_API_KEY": key})
     try:
         with httpx.Client(base_url=s.url, headers={"X-API-Key": key}, timeout=60) as c:
             for label, cls in (("top", 0), ("pullover", 2)):
