@@ -153,6 +153,8 @@ def gallery_trained(run_dir: Path) -> GalleryTrained | None:
             if row.get("source") == "trained" and row.get("image") and "dataset_index" in md:
                 labels.append(row["label"])
                 indices.append(int(md["dataset_index"]))
+    if not labels:  # (a gallery of added items only: nothing trained to index)
+        return None
     return GalleryTrained(source, labels, np.asarray(indices, dtype=np.int64))
 
 

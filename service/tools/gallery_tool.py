@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--hold-out",
         type=float,
         metavar="F",
-        help="a share F (0-0.5) of the items of every label of 8 or more, chosen by a hash of "
-        "the id, under heldout/ instead of images/ (what a learned model is compared on)",
+        help="a share F (0-0.5) of the items of every label of 4 or more (one at least), "
+        "chosen by a hash of the id, under heldout/ instead of images/ (what a learned model "
+        "is compared on)",
     )
     _shared_flags(exp)
     le = sub.add_parser(
@@ -132,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--hold-out",
         type=float,
         metavar="F",
-        help="share of every label of 8+ items kept out of training to compare on (default 0.1)",
+        help="share of every label of 4+ items (one at least) kept out of training to compare on "
+        "(default 0.1)",
     )
     le.add_argument(
         "--no-switch",
@@ -495,12 +497,13 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
     """Write the export (see the module docstring) from the store's point-in-time `view`: the
     added items' stored images, with --trained the trained items' images too (from the dataset
     the served model's run dir names: service/tools/trained_images.py), with --hold-out F a share
-    F of the items of every label of at least HOLD_OUT_MIN items under heldout/ instead of
-    images/ (what a model learning from images/ is compared on). (items, images, version)."""
+    F of the items of every label of at least HOLD_OUT_MIN items (one at least) under heldout/
+    instead of images/ (what a model learning from images/ is compared on). (items, images,
+    version)."""
     from service.tools.trained_images import (
         HOLD_OUT_MIN,
         TrainedImages,
-        held_out,
+        held_out_ids,
         trained_provenance,
     )
 
@@ -516,7 +519,7 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
                 "from: their images cannot be exported"
             )
     hold = float(args.get("hold_out") or 0.0)
-    counts = view.label_counts() if hold else {}
+    held = held_out_ids(_id_labels(view), hold) if hold else set()
     folders = _Folders(root)
     images: dict[int, str] = {}
     missing = n_trained = n_held = 0
@@ -524,7 +527,7 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
     def put(item_id: int, label: str, data: bytes, suffix: str) -> str:
         nonlocal n_held
         top = "images"
-        if counts.get(label, 0) >= HOLD_OUT_MIN and held_out(item_id, hold):
+        if item_id in held:
             top, n_held = "heldout", n_held + 1
         sub, fd = folders.of(top, label)
         name = f"{item_id}.{suffix}"
@@ -595,6 +598,15 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
             file=sys.stderr,
         )
     return n, len(images), version
+
+
+def _id_labels(view) -> list[tuple[int, str]]:
+    """(id, label) of every live item of the export's point-in-time view."""
+    out, after = [], -1
+    while page := view.item_rows(after, 5000):
+        out += [(r.id, r.label) for r in page]
+        after = page[-1].id
+    return out
 
 
 def _has_trained(view) -> bool:

@@ -2,7 +2,7 @@
 operation that switches live only to a model that is not worse.
 
     export  the live gallery at one point in time, the trained items' images included (from
-            their dataset) and a held-out share of every label of 8+ items set aside
+            their dataset) and a held-out share of every label of 4+ items set aside (one at least)
             (snca-gallery export --trained --hold-out F, run by snca-train itself)
     train   snca-train --dataset gallery --gallery-trained --init SERVED: NCA from the served
             model, on every live item with its label now (trained, added, corrected)
@@ -259,9 +259,14 @@ def compare(args: dict, settings, model: Path, index: Path, out: Path, say) -> d
 def decide(c: dict, min_gain: float = 0.0) -> tuple[bool, str]:
     """Whether the learned model may serve: its held-out score (H, or the one top-1 there is)
     at least the served one's plus `min_gain`; and why not, in words. No held-out item (every
-    label under 8 items): it may, nothing says otherwise (said so)."""
-    if not c.get("held_out"):
-        return True, " (no held-out item to compare on: every label has fewer than 8 items)"
+    label under 4 items): not unless `min_gain` < 0 (nothing shows it is not worse)."""
+    if not c.get("held_out"):  # (no evidence: switched only when asked to take a worse one)
+        if min_gain < 0:
+            return True, " (no held-out item to compare on; switched: --min-gain below 0)"
+        return False, (
+            " — nothing to compare on: every label has fewer than 4 items (register more, or "
+            "--min-gain -1 to switch without a comparison)"
+        )
     old, new = _value(c["old"]), _value(c["new"])
     if new >= old + min_gain:
         return True, ""

@@ -5,8 +5,10 @@ that dataset's images are (its dataset provenance; for a model that learned from
 export, the provenance that export recorded for its trained items).
 
 And the held-out part of a gallery (`--hold-out F`): the items a learned model is compared on,
-never trained on; chosen by a hash of the item's id (the same items on every run), only in labels
-of at least HOLD_OUT_MIN items (a label of five keeps its five to learn from)."""
+never trained on; chosen by a hash of the item's id (the same items on every run): those whose
+hash falls in the share F, and in a label of at least HOLD_OUT_MIN items that has none so, its
+item of the smallest hash (a label of five photos keeps four to learn from and one to judge
+by; a label of three keeps all three)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from embedding.errors import ArtifactError, SNCAError
 
-HOLD_OUT_MIN = 8  # a label with fewer items holds none out
+HOLD_OUT_MIN = 4  # a label with fewer items holds none out
 
 
 def trained_provenance(run_dir: Path) -> dict | None:
@@ -90,9 +92,27 @@ def _png(t) -> bytes:
     return b.getvalue()
 
 
-def held_out(item_id: int, fraction: float, salt: str = "snca-learn") -> bool:
-    """Whether item `item_id` is in the held-out part (a share `fraction` of ids, by hash)."""
-    if fraction <= 0:
-        return False
+def _rank(item_id: int, salt: str = "snca-learn") -> float:
     h = hashlib.sha256(f"{salt}:{int(item_id)}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+    return int.from_bytes(h[:8], "big") / 2**64
+
+
+def held_out(item_id: int, fraction: float) -> bool:
+    """Whether item `item_id` falls in the held-out share `fraction` of ids, by hash."""
+    return fraction > 0 and _rank(item_id) < fraction
+
+
+def held_out_ids(rows, fraction: float) -> set[int]:
+    """The held-out part of (id, label) `rows` (see the module docstring)."""
+    if fraction <= 0:
+        return set()
+    by_label: dict[str, list[int]] = {}
+    for item_id, label in rows:
+        by_label.setdefault(label, []).append(int(item_id))
+    out: set[int] = set()
+    for ids in by_label.values():
+        if len(ids) < HOLD_OUT_MIN:
+            continue
+        chosen = {i for i in ids if held_out(i, fraction)}
+        out |= chosen or {min(ids, key=_rank)}
+    return out
