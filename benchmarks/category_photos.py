@@ -238,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _round(make_client, run, d, queries, other, cats, rng, a) -> dict:
     """The queries and the unrelated sets through /classify of `run` on the draw's gallery."""
-    follow = {"follow_alias": True} if run != a.run else {}
-    with make_client(a.run, Path(d) / "data", **follow) as c:
+    with make_client(run, Path(d) / "data") as c:  # (the learned model finds its own gallery)
         params = {"vote": a.vote} if a.vote else {}
 
         def ask(img):
