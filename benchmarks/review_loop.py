@@ -13,7 +13,10 @@ POST /gallery/add):
   (GET /gallery/suggestions, the top 100) looked at, the right ones accepted (the
   queued queries through POST /review/name, the gallery's items through POST /gallery/relabel:
   one write each);
-- after: the same protocol again, on the same held-out half (never seen by the loop).
+- after: the same protocol again, on the same held-out half (never seen by the loop);
+- with `--learn EPOCHS`, the loop's last step: `snca-gallery learn` on that gallery (the shots,
+  the accepted queries, the trained items), and, when it switched, the protocol a third time on
+  the learned model (a server following the alias).
 On the first draws (`--decisions`), before the loop, on the queue as it is: the precision and
 recall of the top 100 suggestions of each held-out label among the queued queries and the
 gallery; then a person naming GET /review's groups (the biggest first, named after the class
@@ -26,6 +29,8 @@ Which queued query was which test image: the queue keeps a thumbnail, and a 28 x
 thumbnail is the image itself (re-encoded): matched by bytes.
 
     python benchmarks/review_loop.py runs/base7 --novel 2,6,9 --draws 10 --json docs/review_loop.json
+    python benchmarks/review_loop.py runs/base7 --novel 2,6,9 --draws 3 --decisions 0 --learn 3 \
+        --json docs/review_learn_loop.json
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import hashlib
 import io
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -220,6 +226,7 @@ def main() -> int:
     ap.add_argument("--decisions", type=int, default=1, help="draws that also measure decisions")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server")
+    ap.add_argument("--learn", type=int, metavar="EPOCHS", help="then snca-gallery learn, measured")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     novel = [int(c) for c in a.novel.split(",")]
@@ -261,8 +268,17 @@ def main() -> int:
                 row["accepted"] = accepted
                 row["after"] = s.protocol(nq, bq)
                 row["seconds"] = time.time() - t0
+                if a.learn:
+                    row["learn"] = _learn(a.run, Path(d), a.learn)
             finally:
                 srv.kill(15)
+            if row.get("learn", {}).get("switched"):
+                srv = Server(a.run, Path(d) / "data", env, "--follow-alias", timeout=600)
+                try:
+                    c = httpx.Client(base_url=srv.url, timeout=120)
+                    row["learned"] = Session(c, test, novel).protocol(nq, bq)
+                finally:
+                    srv.kill(15)
             for untick in (False, True) if draw < a.decisions else ():
                 # on a server of its own: it consumes the queue
                 srv = Server(a.run, Path(d) / f"data-{untick}", env, timeout=300)
@@ -283,11 +299,19 @@ def main() -> int:
               f"{100 * b['base']:.1f}% HM {b['hm']:.3f}; accepted {sum(accepted.values())}; "
               f"after: novel {100 * f['novel']:.1f}% base {100 * f['base']:.1f}% HM "
               f"{f['hm']:.3f}", flush=True)  # fmt: skip
+        if "learn" in row:
+            lr = row.get("learned")
+            print(f"  learn: {row['learn']['seconds']:.0f} s, switched {row['learn']['switched']}"
+                  + (f"; learned: novel {100 * lr['novel']:.1f}% base {100 * lr['base']:.1f}% "
+                     f"HM {lr['hm']:.3f}" if lr else f" ({row['learn']['compared']})"),
+                  flush=True)  # fmt: skip
         for key in ("decisions", "decisions_untick", "propagation"):
             if key in row:
                 print(f"  {key}:", json.dumps(row[key]), flush=True)
     summary = {}
-    for when in ("before", "after"):
+    for when in ("before", "after", "learned"):
+        if not all(when in r for r in rows):
+            continue  # (learned: only where learn switched)
         hms = [r[when]["hm"] for r in rows]
         summary[when] = {
             "hm_mean": float(np.mean(hms)),
@@ -304,6 +328,22 @@ def main() -> int:
         a.json.write_text(json.dumps({"args": vars(a) | {"run": str(a.run), "json": str(a.json)},
                                       "draws": rows, "summary": summary}, indent=2))  # fmt: skip
     return 0
+
+
+def _learn(run: Path, where: Path, epochs: int) -> dict:
+    """snca-gallery learn on the draw's gallery, the server running: its learn.json."""
+    out = where / "learned"
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "service.tools.gallery_tool", "learn", "--model", str(run),
+           "--data-dir", str(where / "data"), "--out", str(out), "--epochs", str(epochs),
+           "--no-progress"]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        print(p.stdout[-3000:], p.stderr[-3000:])
+        raise SystemExit(f"learn failed ({p.returncode})")
+    st = json.loads((out / "learn.json").read_text())
+    return {"seconds": time.monotonic() - t0, "switched": bool(st.get("switched")),
+            "compared": st.get("compared")}  # fmt: skip
 
 
 if __name__ == "__main__":
