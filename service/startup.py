@@ -273,10 +273,13 @@ def register_model(settings: Settings) -> None:
 def follow_alias(settings: Settings) -> str | None:
     """With SNCA_FOLLOW_ALIAS: when the store's alias (store/galleries.py) names another model
     than settings.model as live, serve that one (its run and index dirs as registered by
-    `snca-gallery upgrade`); the data dir and store stay. What it did, in words (None: kept)."""
+    `snca-gallery upgrade`); with no alias, the model the home store was last carried to when
+    it is another (a retrained run started on this data dir: `make photos` then serves it, not
+    carries the gallery back). The data dir and store stay. What it did, in words (None:
+    kept)."""
     import json
 
-    from service.store.galleries import alias_key, gallery_key
+    from service.store.galleries import alias_key, gallery_key, gen_of
     from service.store.registry import backend_class
 
     if not settings.follow_alias:
@@ -286,20 +289,38 @@ def follow_alias(settings: Settings) -> str | None:
     if not cls.exists(home):
         return None
     meta = cls.meta_of(home)
-    if alias_key() not in meta:
+    if alias_key() in meta:
+        gen = json.loads(meta[alias_key()])["gen"]
+    elif meta.get("model_fingerprint") and meta.get("index_id") and not _has_own(settings, home):
+        # no switch made: the model the home store was last carried to (by a start of another
+        # model on this data dir), as registered when it served; not when this model has a
+        # gallery of its own beside it (an upgrade's, on standby until its switch)
+        gen = gen_of(meta["model_fingerprint"], meta["index_id"])
+    else:
         return None
-    gen = json.loads(meta[alias_key()])["gen"]
     info = json.loads(meta.get(gallery_key(gen), "{}"))
     model, index = info.get("model_dir"), info.get("index_dir")
     if not model or Path(model).resolve() == Path(settings.model).resolve():
         return None
     if not (Path(model) / "model.json").is_file():
-        log.warning(
-            "the alias names model %s, which is not there: serving %s", model, settings.model
-        )
+        log.warning("the gallery's live model %s is not there: serving %s", model, settings.model)
         return None
     settings.model, settings.index = Path(model), Path(index or Path(model) / "index")
-    return f"the gallery's alias names {gen} as live: serving {model}"
+    if alias_key() in meta:
+        return f"the gallery's alias names {gen} as live: serving {model}"
+    return f"the gallery was carried to {model} when it last served: serving it"
+
+
+def _has_own(settings: Settings, home: str) -> bool:
+    """Whether settings.model has a gallery beside the home store (an upgrade built it)."""
+    from embedding.index import read_manifest
+
+    try:
+        fingerprint = RunDir(settings.model).load_model_card()[1]
+        index_id = read_manifest(settings.index).index_id
+    except (SNCAError, OSError, ValueError):
+        return False
+    return locate_gallery(home, settings.data_dir, fingerprint, index_id)[0] != home
 
 
 def _locate(settings: Settings, data: DataDir, fingerprint: str, index_id: str):

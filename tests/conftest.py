@@ -152,3 +152,45 @@ def pytest_collection_modifyitems(session, config, items):
         return rank.get(rel, len(rank))
 
     items.sort(key=key)  # stable: everything else keeps its order
+
+
+# Debian's Chromium (installed by `make test`), driven by Playwright: the web page's tests.
+CHROMIUM = "/usr/bin/chromium"
+# Flags for a sandboxed machine with no outside network (the background services of Chromium
+# would try to reach Google's hosts; as root it needs --no-sandbox).
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} missing: `make test` installs it (apt)"
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def artifacts(request) -> Path:
+    """A folder kept after the run for what a test shows (the page's screenshots):
+    test-artifacts/<test id>/ under the checkout (SNCA_TEST_ARTIFACTS: elsewhere)."""
+    import re
+
+    root = Path(
+        os.environ.get(
+            "SNCA_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"
+        )
+    )
+    d = root / re.sub(r"[^\w.-]+", "_", request.node.nodeid)
+    d.mkdir(parents=True, exist_ok=True)
+    return d

@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--dataset gallery runs in one process: export the gallery (snca-gallery "
                     "export OUT) and train on OUT/images with --dataset imagefolder"
                 )
-            materialize(
+            gallery_meta = materialize(
                 cfg,
                 getattr(args, "store", None),
                 resume,
@@ -365,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
             export(cfg, overwrite)
             return 0
         result = train(cfg, dist, device, resume, overwrite)
+        if cfg.dataset == "gallery" and dist.is_main:
+            from .gallery_source import record_gallery
+
+            record_gallery(result.out, gallery_meta, cfg.init)
         if dist.is_main:
             f = result.summary.get("final", {})
             parts = [

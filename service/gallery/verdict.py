@@ -45,3 +45,60 @@ def answered(c: Classification, reason: str | None) -> tuple[str | None, float |
     if reason is not None or c.label is None:
         return None, None
     return c.label, c.confidence
+
+
+def explain(
+    c: Classification,
+    reason: str | None,
+    threshold: float | None,
+    min_similarity: float,
+    min_probability: float,
+) -> str:
+    """The answer in one or two sentences a person reads (the API's `explanation`): what the
+    image was compared with, what decided, and what to do; the codes stay beside it."""
+    if c.label is None:
+        return (
+            "The gallery is empty: there is nothing to compare this image with. Register a "
+            "label first (about five images of it)."
+        )
+    lab = c.label
+    add = f"If it is one, add such images to '{lab}'; if it is something new, register it."
+    if reason is None:
+        return (
+            f"Most like the images of '{lab}': {100 * c.confidence:.0f}% of the vote among "
+            "its nearest images."
+        )
+    w = c.world
+    if reason == "outside_world":
+        if w.basis == "label":
+            return (
+                f"Unlike every image of '{lab}', the nearest label: farther from the nearest of "
+                "them than they are from each other (a different kind of picture: its blur, "
+                f"size, light or subject). '{lab}' is only a guess. {add}"
+            )
+        return (
+            "Not the kind of image the model was trained on: its look is far from every "
+            f"training image. The nearest label, '{lab}', is only a guess. {add}"
+        )
+    if c.best_similarity < min_similarity:
+        return (
+            f"Nothing in the gallery is much like it: its most similar image scores "
+            f"{c.best_similarity:.2f}, under the {min_similarity:.2f} an answer needs. The "
+            f"nearest label, '{lab}', is only a guess. {add}"
+        )
+    if c.confidence < min_probability:
+        return (
+            f"No label wins clearly: '{lab}' has {100 * c.confidence:.0f}% of the vote, under the "
+            f"{100 * min_probability:.0f}% an answer needs."
+        )
+    score = (
+        ""
+        if c.unknown_score is None or threshold is None
+        else (
+            f" (similarity {c.unknown_score:.2f}, where {threshold:.2f} takes nearly all of them)"
+        )
+    )
+    return (
+        f"Farther from the images of '{lab}' than its own images are from each other{score}. "
+        f"'{lab}' is only a guess. {add}"
+    )

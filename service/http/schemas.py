@@ -52,6 +52,11 @@ class ClassifyResult(BaseModel):
         "chosen label holds: the world check), no_label_accepts (of that kind, but no label's "
         "neighbourhood takes it: the label check); null when it is not unknown",
     )
+    explanation: str = Field(
+        ...,
+        description="the answer in words: what the image was compared with, what decided, and "
+        "what to do (an unknown's cause, an empty gallery); for people, beside the codes",
+    )
     world_score: float | None = Field(
         None,
         description="the world check's distance: for a trained label, the Mahalanobis distance "
@@ -107,6 +112,8 @@ class ClassifyResult(BaseModel):
                     {"label": "Sandal", "probability": 0.02},
                 ],
                 "unknown": False,
+                "explanation": "Most like the images of 'Sneaker': 97% of the vote among its "
+                "nearest images.",
                 "unknown_score": 0.93,
                 "unknown_threshold": 0.88,
                 "unknown_tpr": 0.95,

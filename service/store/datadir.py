@@ -34,7 +34,14 @@ LEGACY_STORE = Path("serve") / STORE_FILE
 
 
 def default_data_dir(model: Path) -> Path:
-    """data/<model name>, relative to the working directory (where `make run` runs)."""
+    """The data dir of the gallery the model was trained from when its run dir records one
+    (RunDir.GALLERY: a model retrained on a gallery serves that gallery), else data/<model
+    name>, relative to the working directory (where `make run` runs)."""
+    from embedding.rundir import RunDir
+
+    trained_from = RunDir(model).gallery_data_dir()
+    if trained_from is not None:
+        return trained_from
     return Path("data") / (Path(model).resolve().name or "default")
 
 

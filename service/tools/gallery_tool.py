@@ -340,24 +340,32 @@ def open_state(args: dict, **overrides):
     from pydantic import ValidationError
 
     from service.config import Settings
-    from service.startup import ServiceHost
+    from service.startup import ServiceHost, follow_alias
 
     given = {k.replace("-", "_"): v for k, v in args.items() if k in SETTINGS}
     # a tool embeds in batches of its own: the server's warm-up of every batch size and its
-    # fused small-batch copies would only cost start-up (a photo model: ~30 s, several GB)
-    overrides = {"warmup_seconds": 0, "fused_batches": 0, **overrides}
+    # fused small-batch copies would only cost start-up (a photo model: ~30 s, several GB);
+    # it works on the live gallery of the data dir: the model a switch or a start carried the
+    # gallery to, not the one it was made with (which would carry it back)
+    overrides = {"warmup_seconds": 0, "fused_batches": 0, "follow_alias": True, **overrides}
     try:
         settings = Settings(**given, **overrides)
     except ValidationError as e:
         msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         raise SNCAError(msgs) from None
+    given_model = settings.model
+    moved = follow_alias(settings)
+    if moved:
+        print(f"snca-gallery: {moved} (not {given_model})", file=sys.stderr, flush=True)
     host = ServiceHost(settings)
     opening = host.open()
     if opening.plan is not None:
         host.stop()
         raise SNCAError(
-            f"the gallery in {opening.data.path} was made with another model or index: start "
-            "snca-serve with this model once to carry it over, then run this again"
+            f"the gallery in {opening.data.path} belongs to another model than "
+            f"{settings.model}: give that model's run dir as --model, or carry the gallery to "
+            f"this one first (snca-gallery upgrade --model THAT_RUN --to {settings.model} "
+            "--switch, while it serves; or start snca-serve on this model)"
         )
     host.finish()
     return host
@@ -584,6 +592,8 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
         root, "labels.json", json.dumps(folders.labels, ensure_ascii=False, indent=1).encode()
     )
     summary = {"gallery_version": version, "items": n, "images": len(images) - n_held}
+    # where the gallery lives: a run trained on this export records it (RunDir.GALLERY)
+    summary["data_dir"] = str(Path(state.settings.data_dir).resolve())
     summary["added_without_image"] = missing
     if trained is not None:  # (what an index of a model learned from it re-embeds them from)
         summary["trained"] = {"provenance": trained.provenance, "images": n_trained}

@@ -46,22 +46,17 @@ BALANCE = 1.0
 
 def served(args: dict, say) -> tuple[Path, Path, object]:
     """(model dir, index dir, settings) of the model whose gallery is live (the alias's, when
-    an upgrade switched to another model than --model)."""
-    from service.store.galleries import alias, registry
+    an upgrade switched to another model than --model, or the one the gallery was last
+    carried to: startup.follow_alias)."""
+    from service.startup import follow_alias
 
-    settings = settings_of(args)
-    _, _, home = _open_home(settings)
-    try:
-        a = alias(home)
-        info = registry(home).get(a["gen"], {}) if a else {}
-    finally:
-        home.close()
-    model, index = Path(settings.model), Path(settings.index)
-    if info.get("model_dir") and Path(info["model_dir"]).resolve() != model.resolve():
-        model = Path(info["model_dir"])
-        index = Path(info.get("index_dir") or model / "index")
-        say(f"the live gallery is {a['gen']}'s: learning from {model}")
-    return model, index, settings
+    settings = settings_of(args, follow_alias=True)
+    _, _, home = _open_home(settings)  # (says plainly when there is no gallery)
+    home.close()
+    moved = follow_alias(settings)
+    if moved:
+        say(f"{moved}: learning from it")
+    return Path(settings.model), Path(settings.index), settings
 
 
 def default_out(model: Path, version: int) -> Path:

@@ -190,29 +190,3 @@ def postgres():
     server = PostgresServer()
     yield server
     server.close()
-
-
-# Debian's Chromium (installed by `make test`), driven by Playwright: the web page's tests.
-CHROMIUM = "/usr/bin/chromium"
-# Flags for a sandboxed machine with no outside network (the background services of Chromium
-# would try to reach Google's hosts; as root it needs --no-sandbox).
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} missing: `make test` installs it (apt)"
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        yield b
-        b.close()

@@ -75,6 +75,7 @@ def test_served_with_nothing_trained_then_named_from_five_photos_and_kept(lite0,
         assert ready["items"] == 0
         first = _ask(srv.url, crops(photo("coffee"), 1, 5, CUP_BOX)[0])
         assert first["unknown"] and first["label"] is None and first["nearest_label"] is None
+        assert first["explanation"].startswith("The gallery is empty"), first  # (issue 53)
         # the page's first screen says what to do first, and takes the user there
         from playwright.sync_api import expect
 
@@ -190,18 +191,20 @@ def test_retrained_on_what_users_labelled_and_carried_to_it(lite0, tmp_path, req
     finally:
         bare.kill()
 
-    # the README's lines as pasted (paths to this test's, PostgreSQL's --store, and the speed
-    # flags appended): the store read at one point in time, trained from the served model, with
-    # the defaults otherwise (the validation split, the batch, on 15 photos)
+    # the README's lines as pasted (paths to this test's, its data dir (not data/<name> of the
+    # working directory), PostgreSQL's --store, and the speed flags appended): the store read at
+    # one point in time, trained from the served model, with the defaults otherwise (the
+    # validation split, the batch, on 15 photos)
     ft = tmp_path / "ft"
-    paths = {"runs/photos-lite0": str(lite0), "data/photos-lite0": str(tmp_path / "data"),
-             "runs/photos-ft": str(ft)}  # fmt: skip
-    train, build = (
-        [paths.get(a, a) for a in readme_line(tool)] for tool in ("snca-train", "snca-build-index")
+    paths = {"runs/photos-lite0": str(lite0), "runs/photos-ft": str(ft)}
+    train, build, serve = (
+        [paths.get(a, a) for a in readme_line(tool)]
+        for tool in ("snca-train", "snca-build-index", "snca-serve")
     )
     store_flags = ["--store", store.url] if store.url else []
+    data = tmp_path / "data"
     fast = ["--epochs", "1", "--num-workers", "0", "--no-progress"]
-    p = run_cli("training", *train, *store_flags, *fast)
+    p = run_cli("training", *train, "--data-dir", data, *store_flags, *fast)
     assert p.returncode == 0, p.stderr
     assert "1 added items have no stored image" in p.stderr  # counted, and left out
     assert "15 stored images of 3 labels" in p.stdout and "left out" in p.stdout
@@ -221,7 +224,13 @@ def test_retrained_on_what_users_labelled_and_carried_to_it(lite0, tmp_path, req
     assert q.returncode == 0, q.stderr
     assert "0 vectors" in q.stdout and "not indexed" in q.stdout
 
-    new = store.start(ft, model_process=False)  # carries the gallery (the README's serve line)
+    # the run knows its gallery: the README's serve line has no --data-dir (issue 53)
+    assert json.loads((ft / "gallery.json").read_text())["data_dir"] == str(data.resolve())
+    assert serve == ["--model", str(ft)], serve
+    if store.url is None:
+        new = Server(ft, None, None, cwd=tmp_path)  # carries the gallery
+    else:
+        new = store.start(ft, model_process=False)
     try:
         ready = httpx.get(new.url + "/readyz").json()
         assert ready["model_fingerprint"] == card["fingerprint"]
@@ -232,3 +241,18 @@ def test_retrained_on_what_users_labelled_and_carried_to_it(lite0, tmp_path, req
         assert sum(a["world_score"] <= a["world_threshold"] for a in got) >= 3, got
     finally:
         new.kill()
+    # the tools and `make photos` follow the gallery to the retrained model: given the new run,
+    # the tool finds the gallery without --data-dir; given the old one, it works on the gallery
+    # where it is now (never carries it back), and make's lines say what will serve
+    for model, where in ((ft, []), (lite0, ["--data-dir", data])):
+        out = tmp_path / f"export-{model.name}"
+        e = run_cli("service.tools.gallery_tool", "export", out, "--model", model, *where,
+                    *store_flags, "--no-progress")  # fmt: skip
+        assert e.returncode == 0, e.stderr
+        assert "exported 15 items" in e.stdout, e.stdout
+        assert (f"carried to {ft}" in e.stderr) == (model == lite0), e.stderr
+    env = {"SNCA_DATA_DIR": str(data), **({"SNCA_STORE": store.url} if store.url else {})}
+    h = run_cli("service.tools.hints", "photos", "--model", lite0, env=env)
+    assert h.returncode == 0, h.stderr
+    assert f"carried to {ft}: serving it" in h.stdout, h.stdout
+    assert "The gallery holds 15 items of 3 labels" in h.stdout and "empty" not in h.stdout

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from embedding.votes import VOTES
 from service.gallery.labels import normalize_label
 from service.gallery.query import VoteQuery
-from service.gallery.verdict import answered
+from service.gallery.verdict import answered, explain
 from service.http.deps import GuardedRoute, access, ready_state
 from service.http.inputs import missing, read_form
 from service.http.problems import Problem
@@ -169,7 +169,7 @@ def result(
     label's open-set threshold at acceptance `tpr` (None: unknown=off, or none); `a.unknown_reason`
     the verdict (service/gallery/verdict.py)."""
     c, threshold, reason = a.c, a.threshold, a.unknown_reason
-    w = c.world
+    w, s = c.world, state.settings
     label, confidence = answered(c, reason)
     r = {
         "label": label,
@@ -179,6 +179,7 @@ def result(
         "probabilities": [{"label": lab, "probability": min(1.0, p)} for lab, p in c.probabilities],
         "unknown": reason is not None,
         "unknown_reason": reason,
+        "explanation": explain(c, reason, threshold, s.unknown_similarity, s.unknown_probability),
         "unknown_score": c.unknown_score,
         "unknown_threshold": threshold,
         "unknown_tpr": tpr or None,

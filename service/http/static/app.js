@@ -75,7 +75,13 @@ function cell(item) {
   lab.title = "change this item's label";
   lab.disabled = access !== "write";
   lab.addEventListener("click", () => relabelItem(item.id, lab));
-  sim.append(lab, document.createElement("br"), `${item.similarity.toFixed(3)} · #${item.id}`);
+  // (a queued query's id is 16 digits: its end shown, the whole in the tooltip)
+  const id = String(item.id);
+  const idText = document.createElement("span");
+  idText.className = "cell-id";
+  idText.textContent = `#${id.length > 8 ? "…" + id.slice(-6) : id}`;
+  idText.title = `#${id}`;
+  sim.append(lab, document.createElement("br"), `${item.similarity.toFixed(3)} · `, idText);
   div.append(sim);
   thumbnail(item.thumbnail_url).then((src) => {
     if (!src) return;
@@ -114,7 +120,9 @@ async function classify(file) {
     $("classify-result").hidden = false;
     // an unknown answer has no label: the page shows the nearest one, marked as a guess
     $("classify-label").textContent = r.label ?? r.nearest_label ?? "(empty gallery)";
-    $("classify-confidence").textContent = pct(r.confidence ?? r.nearest_probability);
+    // an unknown answer names no label: the nearest one is shown as a guess, with no confidence
+    $("classify-confidence").textContent = r.unknown || r.confidence == null ? "" : pct(r.confidence);
+    $("classify-explanation").textContent = r.explanation;
     $("classify-unknown").hidden = !r.unknown;
     $("classify-closest").hidden = !r.unknown; // the label is then only the closest, not an answer
     $("classify-unknown-box").hidden = !r.unknown;
@@ -123,12 +131,7 @@ async function classify(file) {
     const thr = r.unknown_threshold == null ? "" : ` (threshold ${r.unknown_threshold.toFixed(3)} at ${pct(r.unknown_tpr)} of known images accepted)`;
     const world = r.world_score == null ? "" : `; world distance ${r.world_score.toFixed(2)} (limit ${r.world_threshold.toFixed(2)}, ${r.world_basis === "label" ? "from the label's own images" : "from the training images"})`;
     $("classify-score").textContent = score + thr + world;
-    $("classify-unknown-reason").textContent = r.unknown_reason === "outside_world"
-      ? (r.world_basis === "label"
-        ? `this image is not like the images registered as "${r.nearest_label}", nor like any other label's.`
-        : "this is not the kind of image the gallery holds (its statistics are far from every image the model was trained on).")
-      : "it looks like the gallery's images, but no label's neighbourhood takes it.";
-    $("classify-unknown-why").textContent = r.nearest_label ? `The closest label, ${r.nearest_label}, is shown as a guess only.` : "";
+    $("classify-unknown-reason").textContent = r.unknown_reason ? `unknown_reason: ${r.unknown_reason}; vote ${r.vote}, k ${r.k}` : `vote ${r.vote}, k ${r.k}`;
     const probs = $("classify-probs");
     probs.replaceChildren(...r.probabilities.map((p) => {
       const li = document.createElement("li");
@@ -407,7 +410,7 @@ async function loadReview() {
     $("review-summary").textContent = !r.enabled && r.queued === 0
       ? "The review queue is off: start the service with SNCA_REVIEW_QUEUE=1 to keep what it cannot name."
       : `${r.queued} queries the service could not name, in ${r.groups.length} group(s) of similar ones (the newest ${r.grouped}). Name a group to make its queries items of that label, or dismiss it.`;
-    $("review-groups").replaceChildren(...r.groups.map((g, n) => {
+    const groups = r.groups.map((g, n) => {
       const div = document.createElement("div");
       div.className = "group";
       const h = document.createElement("h3");
@@ -416,20 +419,36 @@ async function loadReview() {
       grid.className = "grid";
       grid.append(...g.sample.map((q) => {
         const c = cell({ id: q.id, label: q.answer ?? "unknown", similarity: q.margin, thumbnail_url: q.thumbnail_url });
-        c.querySelector(".cell-label").disabled = true;
+        // a queued query is not an item: its answer is shown, not edited (naming the group
+        // below makes it one); `read` keeps applyAccess from turning the button on
+        const lab = c.querySelector(".cell-label");
+        lab.disabled = true;
+        lab.classList.add("read");
+        lab.title = "the service's answer to this query";
+        // a member that does not belong is unticked and left out when the group is named
+        const tick = document.createElement("input");
+        tick.type = "checkbox";
+        tick.checked = true;
+        tick.className = "member";
+        tick.dataset.id = q.id;
+        tick.title = "in this group: untick to leave it out when naming";
+        tick.setAttribute("aria-label", `query #${q.id} in this group`);
+        c.prepend(tick);
         return c;
       }));
       const actions = document.createElement("div");
       actions.className = "actions";
       const input = document.createElement("input");
       input.placeholder = "name this group";
-      input.maxLength = 100;
       input.id = `review-label-${n}`;
       const name = document.createElement("button");
       name.type = "button";
       name.textContent = "Name";
       name.className = "review-name";
-      name.addEventListener("click", () => nameGroup(g.ids, input.value));
+      name.addEventListener("click", () => {
+        const out = new Set([...grid.querySelectorAll("input.member:not(:checked)")].map((t) => Number(t.dataset.id)));
+        nameGroup(g.ids.filter((id) => !out.has(id)), input.value);
+      });
       const dismiss = document.createElement("button");
       dismiss.type = "button";
       dismiss.textContent = "Dismiss";
@@ -437,8 +456,21 @@ async function loadReview() {
       dismiss.addEventListener("click", () => dismissGroup(g.ids));
       actions.append(input, name, dismiss);
       div.append(h, grid, actions);
+      div.dataset.size = g.size;
       return div;
-    }));
+    });
+    // single queries (nothing like them queued) folded under one line, after the groups
+    const many = groups.filter((d) => Number(d.dataset.size) > 1);
+    const single = groups.filter((d) => Number(d.dataset.size) === 1);
+    if (single.length) {
+      const fold = document.createElement("details");
+      fold.id = "review-singles";
+      const sum = document.createElement("summary");
+      sum.textContent = `${single.length} single quer${single.length === 1 ? "y" : "ies"} (nothing like them queued)`;
+      fold.append(sum, ...single);
+      many.push(fold);
+    }
+    $("review-groups").replaceChildren(...many);
     applyAccess();
   } catch (e) {
     say(e.message);
@@ -495,7 +527,7 @@ function applyAccess() {
   $("register-readonly").textContent = readOnly ? `Registering is off: ${why}.` : "";
   const writes = [
     ...document.querySelectorAll("#labels-table button:not(.read)"),
-    ...document.querySelectorAll("#review-groups button, #review-groups input"),
+    ...document.querySelectorAll("#review-groups button:not(.read), #review-groups input"),
     $("suggest-accept"),
   ];
   for (const b of writes) {

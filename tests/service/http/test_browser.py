@@ -23,7 +23,9 @@ def server(base_run, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_classify_register_labels_search_in_the_browser(server, browser, tmp_path, fmnist_test):
+def test_classify_register_labels_search_in_the_browser(
+    server, browser, tmp_path, fmnist_test, artifacts
+):
     from playwright.sync_api import expect
 
     files = {}
@@ -68,7 +70,7 @@ def test_classify_register_labels_search_in_the_browser(server, browser, tmp_pat
     page.set_input_files("#classify-file", str(files["sneaker"]))
     expect(page.locator("#classify-label")).to_have_text(expected)
     expect(page.locator("#classify-neighbours .cell img")).to_have_count(10)
-    page.screenshot(path=str(tmp_path / "classify.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "classify.png"), full_page=True)
 
     # a 4xx from the service is shown as a readable message, not a crash
     page.set_input_files("#classify-file", str(tmp_path / "notes.png"))
@@ -106,7 +108,7 @@ def test_classify_register_labels_search_in_the_browser(server, browser, tmp_pat
     page.set_input_files("#search-file", str(files["tee2"]))
     expect(page.locator("#search-results .cell").first).to_contain_text("my-tee")
     expect(page.locator("#search-results .cell img").first).to_be_visible()
-    page.screenshot(path=str(tmp_path / "search.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "search.png"), full_page=True)
 
     page.click("nav button[data-tab=labels]")
     page.once("dialog", lambda d: d.accept())
@@ -121,18 +123,20 @@ def test_classify_register_labels_search_in_the_browser(server, browser, tmp_pat
     phone.set_input_files("#classify-file", str(files["sneaker"]))
     expect(phone.locator("#classify-label")).to_have_text(expected)
     assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
-    phone.screenshot(path=str(tmp_path / "phone.png"), full_page=True)
+    phone.screenshot(path=str(artifacts / "phone.png"), full_page=True)
     assert errors == []
     if os.environ.get("SNCA_SCREENSHOT_DIR"):  # for docs/serving.md: SNCA_SCREENSHOT_DIR=docs
         shutil.copy(
-            tmp_path / "classify.png", os.path.join(os.environ["SNCA_SCREENSHOT_DIR"], "page.png")
+            artifacts / "classify.png", os.path.join(os.environ["SNCA_SCREENSHOT_DIR"], "page.png")
         )
     for shot in ("classify", "search", "phone"):
-        assert (tmp_path / f"{shot}.png").read_bytes()[:4] == b"\x89PNG"
+        assert (artifacts / f"{shot}.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow
-def test_an_unknown_image_is_offered_for_registration(server, browser, tmp_path, fmnist_test):
+def test_an_unknown_image_is_offered_for_registration(
+    server, browser, tmp_path, fmnist_test, artifacts
+):
     """Classify an image the gallery has no label for: the page says "unknown" and offers to
     register it; the image goes to the registration tab, and the registration's diagnostics
     are shown."""
@@ -157,6 +161,11 @@ def test_an_unknown_image_is_offered_for_registration(server, browser, tmp_path,
     expect(page.locator("#classify-unknown-box")).to_be_visible()
     expect(page.locator("#classify-unknown")).to_be_visible()
     expect(page.locator("#classify-score")).to_contain_text("threshold")
+    # (issue 53) the reason in words on the first screen, the numbers behind "details", and
+    # no confidence beside a label that is only the nearest one
+    expect(page.locator("#classify-explanation")).to_contain_text("only a guess")
+    expect(page.locator("#classify-score")).to_be_hidden()
+    expect(page.locator("#classify-confidence")).to_have_text("")
     page.click("#classify-register")
     expect(page.locator("#tab-register")).to_be_visible()
     expect(page.locator("#register-carried")).to_contain_text("carried over")
@@ -167,7 +176,7 @@ def test_an_unknown_image_is_offered_for_registration(server, browser, tmp_path,
     expect(page.locator("#register-check")).to_contain_text("new-thing")
     expect(page.locator("#register-facts")).to_contain_text("leave-one-out agreement")
     expect(page.locator("#register-warnings li").first).to_be_visible()
-    page.screenshot(path=str(tmp_path / "unknown.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "unknown.png"), full_page=True)
     labels = httpx.get(server.url + "/gallery/labels").json()["labels"]
     assert {"label": "new-thing", "count": 1, "source": "added"} in labels
     httpx.delete(server.url + "/gallery/labels/new-thing")
@@ -211,7 +220,7 @@ def test_a_read_key_turns_the_pages_write_controls_off(base_run, browser, tmp_pa
 
 
 @pytest.mark.slow
-def test_the_review_flow_in_the_browser(base_run, browser, tmp_path, fmnist_test):
+def test_the_review_flow_in_the_browser(base_run, browser, tmp_path, fmnist_test, artifacts):
     """Issue 43's page: with the review queue on, a read key sees the Review tab's groups with
     Name and Dismiss off; a write key names the biggest group (its queries become items of the
     label), takes a label's suggestions and accepts them, renames a label, and edits an item's
@@ -256,10 +265,26 @@ def test_the_review_flow_in_the_browser(base_run, browser, tmp_path, fmnist_test
         page.wait_for_load_state("networkidle")
         first = page.locator(".group").first
         expect(first.locator(".review-name")).to_be_enabled()
+        # (issue 53) a queued query's answer is not an editable item label, with a write key too
+        # (it was turned on and its click sent the query's id to PATCH /gallery/items: 404)
+        expect(first.locator(".cell-label").first).to_be_disabled()
         size = int(first.locator("h3").inner_text().split()[0])
-        first.locator("input").fill("new bag")
+        # a label over the limit: the API's words, not a silent cut
+        first.locator(".actions input").fill("x" * 300)
+        first.locator(".review-name").click()
+        expect(page.locator("#message")).to_contain_text("300 characters; the limit is 100")
+        # a member that does not belong, unticked: left out, still queued
+        ticks = first.locator("input.member")
+        assert size >= 2 and ticks.count() >= 2, size
+        left = int(ticks.nth(1).get_attribute("data-id"))
+        ticks.nth(1).uncheck()
+        first.locator(".actions input").fill("new bag")
         first.locator(".review-name").click()
         expect(page.locator("#message")).to_contain_text('are now items of "new bag"')
+        page.screenshot(path=str(artifacts / "review-named.png"), full_page=True)
+        queued = httpx.get(s.url + "/review?limit=2000", headers=w).json()["groups"]
+        assert any(left in g["ids"] for g in queued), left
+        size -= 1
         # the label's suggestions, accepted
         page.click("nav button[data-tab=labels]")
         row = page.locator('#labels-table tr[data-label="new bag"]')

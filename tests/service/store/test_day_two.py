@@ -314,6 +314,10 @@ def test_upgrade_under_writes_killed_resumed_switched_and_rolled_back(
         r = httpx.delete(b.url + "/gallery/items/1", timeout=30)
         assert r.status_code == 503 and "standby" in r.json()["detail"]
         assert httpx.get(b.url + "/gallery/labels", timeout=30).status_code == 200
+        # before the switch --follow-alias keeps each model on its own gallery: the new one on
+        # the copy being built (not the home store's model, which it follows with no upgrade)
+        assert follows(backend, new_model) == new_model.resolve()
+        assert follows(backend, base_run) == base_run.resolve()
         n = w.n
         until(lambda: w.n > n + 10)  # A keeps writing while B serves the copy
         # run again: resumes the copy after its last batch, follows A's log, switches
