@@ -23,7 +23,7 @@ from embedding.thumbnails import make_thumbnail
 from service.config import Settings
 from service.gallery import Classification, Gallery
 from service.gallery.query import VoteQuery
-from service.gallery.verdict import unknown_reason
+from service.gallery.verdict import answered, explain, unknown_reason
 from service.model.batcher import InlineCalls, MicroBatcher
 from service.model.embedder import (
     Embedder,
@@ -220,6 +220,47 @@ class Answer:
         """The answer with its verdict at rate `tpr` (None: unknown=off) under `s`'s floors."""
         why = unknown_reason(c, threshold, tpr, s.unknown_similarity, s.unknown_probability)
         return cls(c, threshold, version, why)
+
+    def result(
+        self, fingerprint: str, s: Settings, vote: str, k: int, neighbors: bool, tpr
+    ) -> dict:
+        """The ClassifyResult (service/http/schemas.py) as a plain dict: what /classify answers
+        and `snca-gallery classify` writes. `threshold`: the label's open-set threshold at
+        acceptance `tpr` (None: unknown=off, or none); `unknown_reason` the verdict
+        (service/gallery/verdict.py)."""
+        c, threshold, reason = self.c, self.threshold, self.unknown_reason
+        w = c.world
+        label, confidence = answered(c, reason)
+        r = {
+            "label": label,
+            "confidence": confidence,
+            "nearest_label": c.label,
+            "nearest_probability": c.confidence if c.label is not None else None,
+            "probabilities": [
+                {"label": lab, "probability": min(1.0, p)} for lab, p in c.probabilities
+            ],
+            "unknown": reason is not None,
+            "unknown_reason": reason,
+            "explanation": explain(
+                c, reason, threshold, s.unknown_similarity, s.unknown_probability
+            ),
+            "unknown_score": c.unknown_score,
+            "unknown_threshold": threshold,
+            "unknown_tpr": tpr or None,
+            "world_score": w.score,
+            "world_threshold": w.threshold,
+            "world_basis": w.basis,
+            "best_similarity": c.best_similarity,
+            "vote": vote,
+            "k": k,
+            "gallery_version": self.version,  # the version the vote read
+            "model_fingerprint": fingerprint,
+        }
+        if neighbors:
+            r["neighbors"] = [
+                {"id": i, "label": lab, "similarity": sim} for i, lab, sim in c.neighbors
+            ]
+        return r
 
 
 class ModelRuntime(Runtime):
@@ -466,6 +507,17 @@ class ModelRuntime(Runtime):
     async def embed(self, p: Prepared) -> np.ndarray:
         """The upload's row [vector | world statistics] (Embedder.split takes it apart)."""
         return await self.batcher.submit(Job("embed", p.pixels))
+
+    def answers_now(self, prepared: list[Prepared], query: VoteQuery, tpr) -> list[Answer]:
+        """`answers`, blocking, for a tool with no event loop (`snca-gallery classify`): the
+        same forward, vote and verdicts, max_batch images a forward."""
+        emb, stats = self.embedder.split(self.embed_pixels([p.pixels for p in prepared]))
+        cs = self.gallery.answer(emb, query, stats)
+        thresholds = self.gallery.thresholds_at(tpr) if tpr else None
+        version, s = self.gallery.version, self.settings
+        return [
+            Answer.judged(c, label_threshold(thresholds, c.label_id), version, tpr, s) for c in cs
+        ]
 
 
 def _cores() -> int:

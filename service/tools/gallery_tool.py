@@ -12,6 +12,8 @@ operations (service/tools/gallery_ops.py).
     snca-gallery rename Trouser Pants | merge Sneaker Shoes
     snca-gallery accept decisions.csv                      # rows id,label (service/tools/label_ops.py)
     snca-gallery review-export OUT | review-name F | review-dismiss F   # the review queue
+    snca-gallery classify photos/ --out answers.csv        # the API's answers, no server needed
+    snca-gallery learn                                     # retrain on the gallery, switch live
 
 Same flags and SNCA_ settings as snca-serve (--model, --index, --data-dir, --store, --device,
 --thumbnails), so it finds the very gallery the service serves. An import embeds the images
@@ -40,7 +42,6 @@ import csv
 import hashlib
 import json
 import os
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +49,8 @@ from pathlib import Path
 from embedding.cliutil import positive_int
 from embedding.errors import SNCAError
 from service.store.records import Keyed, StoreUnavailable
+from service.tools.tool_state import IMAGE_SUFFIXES, open_state, read_image_file
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 EXT = {"image/png": "png", "image/jpeg": "jpg", "image/webp": "webp", "image/gif": "gif"}
 
 
@@ -238,10 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument(
             "--gallery", help="a gallery's gen (snca-gallery galleries; default: the live one)"
         )
-    from service.tools import label_ops, review_ops
+    from service.tools import classify_folder, label_ops, review_ops
 
     label_ops.add_parsers(sub, _shared_flags)
     review_ops.add_parsers(sub, _shared_flags)
+    classify_folder.add_parsers(sub, _shared_flags)
     for x in (imp, exp, up, rb, le):
         x.add_argument(
             "--progress",
@@ -312,66 +314,6 @@ def read_entries(
             raise SNCAError(f"{source} lists no images (rows of path,label)")
         return out
     raise SNCAError(f"{source} is neither a folder of label folders nor a .csv file")
-
-
-def read_image_file(path: Path, limit: int) -> bytes:
-    """The bytes of a regular file of at most `limit` bytes (OSError otherwise): the size is
-    checked before reading, and no more than limit + 1 bytes are ever read (a file that grows,
-    or a sparse one, cannot make this take more memory)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO would block an open)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"not a regular file: {path}")
-        if st.st_size > limit:
-            raise OSError(f"{st.st_size} bytes; the limit is {limit} (SNCA_MAX_UPLOAD_BYTES)")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise OSError(f"over {limit} bytes (SNCA_MAX_UPLOAD_BYTES)")
-    return data
-
-
-# ---------------------------------------------------------------------------- the service
-def open_state(args: dict, **overrides):
-    """The ServiceState a server on these settings would have (model, gallery, store)."""
-    from pydantic import ValidationError
-
-    from service.config import Settings
-    from service.startup import ServiceHost, follow_alias
-
-    given = {k.replace("-", "_"): v for k, v in args.items() if k in SETTINGS}
-    # a tool embeds in batches of its own: the server's warm-up of every batch size and its
-    # fused small-batch copies would only cost start-up (a photo model: ~30 s, several GB);
-    # it works on the live gallery of the data dir: the model a switch or a start carried the
-    # gallery to, not the one it was made with (which would carry it back)
-    overrides = {"warmup_seconds": 0, "fused_batches": 0, "follow_alias": True, **overrides}
-    try:
-        settings = Settings(**given, **overrides)
-    except ValidationError as e:
-        msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise SNCAError(msgs) from None
-    given_model = settings.model
-    moved = follow_alias(settings)
-    if moved:
-        print(f"snca-gallery: {moved} (not {given_model})", file=sys.stderr, flush=True)
-    host = ServiceHost(settings)
-    opening = host.open()
-    if opening.plan is not None:
-        host.stop()
-        raise SNCAError(
-            f"the gallery in {opening.data.path} belongs to another model than "
-            f"{settings.model}: give that model's run dir as --model, or carry the gallery to "
-            f"this one first (snca-gallery upgrade --model THAT_RUN --to {settings.model} "
-            "--switch, while it serves; or start snca-serve on this model)"
-        )
-    host.finish()
-    return host
-
-
-SETTINGS = ("model", "index", "store", "data_dir", "device", "log_level", "thumbnails")
 
 
 def import_images(args: dict, log=print) -> int:
@@ -727,9 +669,10 @@ def main(argv: list[str] | None = None) -> int:
             return import_images(args)
         if args["cmd"] == "export":
             return export_items(args)
-        from service.tools import gallery_ops, label_ops, learn, review_ops
+        from service.tools import classify_folder, gallery_ops, label_ops, learn, review_ops
 
         commands = {
+            **classify_folder.COMMANDS,
             **gallery_ops.COMMANDS,
             **label_ops.COMMANDS,
             **review_ops.COMMANDS,
