@@ -155,7 +155,7 @@ def diagnose(
             votes[other] = votes.get(other, 0) + 1
             d.outliers.append(Outlier(int(own[i]), other, float(top_p[i])))
     d.confused_with = {lab: v / len(emb) for lab, v in sorted(votes.items(), key=lambda x: -x[1])}
-    _warn(d, n)
+    _warn(d, n, _labels_alike(sums, others))
     return d
 
 
@@ -173,12 +173,36 @@ def world_warning(d: Diagnostics, outside: np.ndarray) -> None:
         )
 
 
-def _warn(d: Diagnostics, n: int) -> None:
-    """Plain-language warnings from the numbers (what a user should look at)."""
-    # a collapsed model: the label's images and its nearest other label's all one direction
+def _labels_alike(sums: np.ndarray, labels: np.ndarray) -> float | None:
+    """Median cosine between the means of `labels` (rows of `sums`); None under two labels."""
+    if len(labels) < 2:
+        return None
+    m = sums[labels] / np.linalg.norm(sums[labels], axis=1, keepdims=True).clip(1e-12)
+    cos = m @ m.T
+    return float(np.median(cos[np.triu_indices(len(labels), 1)]))
+
+
+def _warn(d: Diagnostics, n: int, labels_alike: float | None = None) -> None:
+    """Plain-language warnings from the numbers (what a user should look at). `labels_alike`:
+    the median cosine between the other labels' means (None: fewer than two other labels)."""
+    # the label's images and its nearest other label's all one direction: a collapsed model
+    # when the other labels are alike too (or there are too few to tell), else two labels of
+    # near-identical images (crops of one photo under two names) on a model that is fine
     alike = min(d.cohesion or 0.0, d.nearest_similarity or 0.0) if n > 1 else None
-    if (said := collapse.warning(alike, "this label's images and its neighbours'")) is not None:
+    if labels_alike is not None and labels_alike < collapse.COLLAPSED:
+        if alike is not None and alike >= collapse.COLLAPSED:
+            d.warnings.append(
+                f"this label's images and {d.nearest_label!r}'s are nearly identical (cosine "
+                f"{d.nearest_similarity:.3f}): the vote cannot tell the two labels apart; "
+                f"register images that differ from {d.nearest_label!r}'s, or merge the two"
+            )
+    elif (said := collapse.warning(alike, "this label's images and its neighbours'")) is not None:
         d.warnings.append(said)
+    if n == 1 and not d.outliers:
+        d.warnings.append(
+            "one image: the label takes only images very like it, and nothing says how much "
+            "its kind varies; register about five varied images of it"
+        )
     if n == 1 and d.outliers:
         o = d.outliers[0]
         d.warnings.append(

@@ -379,6 +379,11 @@ def import_images(args: dict, log=print) -> int:
             f"{state.gallery.version}",
             flush=True,
         )
+        if added:  # what /gallery/add would say of each label imported into (overlaps...)
+            for label in sorted({e.label for e in todo}):
+                d = state.gallery.diagnose(label, s.vote, s.k, s.unknown_tpr)
+                for w in d.warnings if d is not None else ():
+                    log(f"snca-gallery: label {label!r}: {w}", flush=True)
     finally:
         host.stop()
     for f in failed[:50]:

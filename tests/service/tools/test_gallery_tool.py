@@ -212,6 +212,7 @@ def test_import_is_bounded_and_forgiving_per_row(base_run, tmp_path, fmnist_test
         f.truncate(2 * 1024**3)
     outside = tmp_path / "outside.png"
     outside.write_bytes(png(fmnist_test, int(of_class(fmnist_test, 8, 4)[3])))
+    (root / "img" / "solo.png").write_bytes(png(fmnist_test, int(of_class(fmnist_test, 8, 6)[5])))
     lines = [
         "\ufeffpath,label",  # a BOM before the header
         "img/0.png,bags",
@@ -222,13 +223,16 @@ def test_import_is_bounded_and_forgiving_per_row(base_run, tmp_path, fmnist_test
         f"{outside},bags",
         "../outside.png,bags",
         "img/2.png,bags",
+        "img/solo.png,solo",  # one image of a trained class: the import says so (issue 53)
     ]
     (root / "list.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
     data = tmp_path / "data"
     args = ["import", root / "list.csv", "--model", base_run, "--data-dir", data, "--no-progress"]
     p = run_cli("service.tools.gallery_tool", *args)
     assert p.returncode == 1, p.stdout + p.stderr
-    assert "imported 3," in p.stdout, p.stdout + p.stderr
+    assert "imported 4," in p.stdout, p.stdout + p.stderr
+    solo = [ln for ln in p.stdout.splitlines() if ln.startswith("snca-gallery: label 'solo': ")]
+    assert solo and "already classifies" in solo[0], p.stdout  # /gallery/add's diagnostics
     err = p.stderr
     assert "huge.png" in err and "limit" in err
     assert "line 4" in err and "line 5" in err and "field larger" in err
