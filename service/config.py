@@ -290,7 +290,8 @@ class Settings(BaseSettings):
     follow_alias: bool = Field(
         False,
         description="serve the model the gallery's alias names (the one `snca-gallery upgrade "
-        "--switch` made live) instead of --model, when it names another (make run does)",
+        "--switch` made live) instead of --model, when it names another; with no alias, the "
+        "model a start last carried the gallery to (make run and make photos do)",
     )
     keep_previous: int = Field(
         3,

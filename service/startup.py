@@ -308,7 +308,7 @@ def follow_alias(settings: Settings) -> str | None:
     settings.model, settings.index = Path(model), Path(index or Path(model) / "index")
     if alias_key() in meta:
         return f"the gallery's alias names {gen} as live: serving {model}"
-    return f"the gallery was carried to {model} when it last served: serving it"
+    return f"the gallery was carried to another model when it last served: serving {model}"
 
 
 def _has_own(settings: Settings, home: str) -> bool:
