@@ -81,7 +81,8 @@ function cell(item) {
   idText.className = "cell-id";
   idText.textContent = `#${id.length > 8 ? "…" + id.slice(-6) : id}`;
   idText.title = `#${id}`;
-  sim.append(lab, document.createElement("br"), `${item.similarity.toFixed(3)} · `, idText);
+  const note = item.similarity == null ? (item.note ?? "") : item.similarity.toFixed(3);
+  sim.append(lab, document.createElement("br"), `${note} · `, idText);
   div.append(sim);
   thumbnail(item.thumbnail_url).then((src) => {
     if (!src) return;
@@ -288,6 +289,10 @@ async function loadLabels() {
         tr.append(td);
       }
       const td = document.createElement("td");
+      const its = document.createElement("button");
+      its.textContent = "items";
+      its.className = "read";
+      its.addEventListener("click", () => loadItems(l.label));
       const sug = document.createElement("button");
       sug.textContent = "suggestions";
       sug.className = "read";
@@ -298,12 +303,56 @@ async function loadLabels() {
       const b = document.createElement("button");
       b.textContent = "delete";
       b.addEventListener("click", () => deleteLabel(l.label, l.count));
-      td.append(sug, " ", ren, " ", b);
+      td.append(its, " ", sug, " ", ren, " ", b);
       tr.append(td);
       return tr;
     });
     $("labels-table").tBodies[0].replaceChildren(...rows);
     applyAccess();
+  } catch (e) {
+    say(e.message);
+  }
+}
+
+// a label's items as thumbnails, a page at a time, each relabelled (its label) or removed
+let itemsFor = null;
+let itemsToken = null;
+async function loadItems(label, more = false) {
+  try {
+    const q = new URLSearchParams({ label, limit: "48", ...(more && itemsToken ? { page_token: itemsToken } : {}) });
+    const r = await api(`/gallery/items?${q}`);
+    itemsFor = label;
+    itemsToken = r.next_page_token;
+    $("items-label").textContent = label;
+    const cells = r.items.map((it) => {
+      const div = cell({ id: it.id, label: it.label, note: it.source, thumbnail_url: it.thumbnail_url });
+      div.title = `#${it.id} · ${it.source} · added ${it.created_at}` + (it.metadata ? ` · ${JSON.stringify(it.metadata).slice(0, 200)}` : "");
+      const del = document.createElement("button");
+      del.type = "button";
+      del.className = "item-remove";
+      del.textContent = "remove";
+      del.addEventListener("click", () => removeItem(it.id, div));
+      div.append(del);
+      return div;
+    });
+    if (more) $("items-list").append(...cells);
+    else $("items-list").replaceChildren(...cells);
+    $("items-more").hidden = !itemsToken;
+    $("items-panel").hidden = false;
+    if (!more) $("items-panel").scrollIntoView();
+    applyAccess();
+  } catch (e) {
+    say(e.message);
+  }
+}
+
+async function removeItem(id, div) {
+  if (!confirm(`Remove item #${id} from the gallery?`)) return;
+  try {
+    await api(`/gallery/items/${id}`, { method: "DELETE" });
+    div.remove();
+    say(`item #${id} removed`, true);
+    refreshStatus();
   } catch (e) {
     say(e.message);
   }
@@ -528,6 +577,7 @@ function applyAccess() {
   const writes = [
     ...document.querySelectorAll("#labels-table button:not(.read)"),
     ...document.querySelectorAll("#review-groups button:not(.read), #review-groups input"),
+    ...document.querySelectorAll("#items-list button"),
     $("suggest-accept"),
   ];
   for (const b of writes) {
@@ -584,6 +634,7 @@ document.addEventListener("DOMContentLoaded", () => {
   dropZone($("search-file").parentElement, $("search-file"), search);
   $("register-form").addEventListener("submit", register);
   $("suggest-accept").addEventListener("click", acceptSuggestions);
+  $("items-more").addEventListener("click", () => loadItems(itemsFor, true));
   $("learn-start").addEventListener("click", startLearn);
   $("classify-register").addEventListener("click", carryToRegister);
   $("empty-register").addEventListener("click", () => showTab("register"));

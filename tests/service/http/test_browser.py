@@ -298,6 +298,25 @@ def test_the_review_flow_in_the_browser(base_run, browser, tmp_path, fmnist_test
         page.once("dialog", lambda d: d.accept("bags"))
         page.locator('#labels-table tr[data-label="new bag"] button', has_text="rename").click()
         expect(page.locator('#labels-table tr[data-label="bags"]')).to_be_visible()
+        # (issue 53) the label's items as thumbnails: one removed, one moved, in place
+        n_bags = int(page.locator('#labels-table tr[data-label="bags"] td').nth(1).inner_text())
+        page.locator('#labels-table tr[data-label="bags"] button', has_text="items").click()
+        expect(page.locator("#items-label")).to_have_text("bags")
+        expect(page.locator("#items-list .cell")).to_have_count(min(n_bags, 48))
+        expect(page.locator("#items-list .cell img").first).to_be_visible()
+        page.screenshot(path=str(artifacts / "label-items.png"), full_page=True)
+        gone = int(page.locator("#items-list .cell").first.get_attribute("data-id"))
+        page.once("dialog", lambda d: d.accept())
+        page.locator("#items-list .cell").first.locator(".item-remove").click()
+        expect(page.locator("#message")).to_contain_text(f"item #{gone} removed")
+        expect(page.locator("#items-list .cell")).to_have_count(min(n_bags, 48) - 1)
+        moved = page.locator("#items-list .cell").first
+        moved_id = int(moved.get_attribute("data-id"))
+        page.once("dialog", lambda d: d.accept("tote"))
+        moved.locator(".cell-label").click()
+        expect(page.locator("#message")).to_contain_text(f'item #{moved_id} is now "tote"')
+        assert httpx.get(f"{s.url}/gallery/items/{gone}", headers=w).status_code == 404
+        assert httpx.get(f"{s.url}/gallery/items/{moved_id}", headers=w).json()["label"] == "tote"
         # an item's label edited in place from Search
         page.click("nav button[data-tab=search]")
         q = tmp_path / "bag.png"
