@@ -52,11 +52,21 @@ def one_second() -> list[str]:
     return ["--seconds", "1", "--port", str(free_port())]
 
 
+def measured(*args: str) -> subprocess.CompletedProcess:
+    """The tool on a one-second measurement, tried again once when it says the server was
+    overloaded at half saturation: a refusal the tool owes when a test on the other worker takes
+    the CPU mid-measurement (fresh-clone CI of 2026-12-02), not a broken tool."""
+    p = tool(*args, *one_second())
+    if p.returncode == 1 and "overloaded at half saturation" in p.stderr:
+        p = tool(*args, *one_second())
+    return p
+
+
 def test_ideal_model_and_empty_app_report_the_ratio(base_run):
-    p = tool("benchmarks/ideal_model.py", "--model", str(base_run), *one_second())
+    p = measured("benchmarks/ideal_model.py", "--model", str(base_run))
     assert p.returncode == 0, p.stderr[-2000:]
     assert "ideal model thread: p99 at half saturation" in p.stdout, p.stdout
-    p = tool("benchmarks/ideal_model.py", "--empty", "--burn-us", "200", *one_second())
+    p = measured("benchmarks/ideal_model.py", "--empty", "--burn-us", "200")
     assert p.returncode == 0, p.stderr[-2000:]
     assert "empty ASGI app (200 us of CPU per request)" in p.stdout, p.stdout
     p = tool("benchmarks/ideal_model.py", "--burn-us", "200")
