@@ -496,6 +496,9 @@ class SqliteStore(Store):
         return out
 
     def _select(self, query: str, params: tuple | list = ()) -> list[tuple]:
+        # (a read marks the -shm mapping too: made unwritable under the process, that is a
+        # SIGBUS; /readyz's count of unlearned items died of it: fresh-clone CI of b4cff0d)
+        self._check_readable()
         with self._lock:
             self._check_retired()
             return self.conn.execute(query, params).fetchall()
