@@ -10,7 +10,9 @@
 
 Over the answers given (not unknown): the expected calibration error (10 equal-width bins),
 accuracy against mean confidence per bin (the reliability diagram, written as a PNG), and the
-spread of confidence among right answers (a constant confidence says nothing).
+spread of confidence among right answers (a constant confidence says nothing); the same for the
+vote's own probability of the label (`nearest_probability`, what `confidence` was before issue
+53) beside it.
 
     python benchmarks/confidence_calibration.py runs/base7-269 runs/photos-lite0 \\
         --json docs/confidence_calibration.json --png docs/figures/confidence_calibration.png
@@ -49,9 +51,10 @@ def ece(conf: np.ndarray, right: np.ndarray, n: int = 10) -> float:
                  / max(len(conf), 1))  # fmt: skip
 
 
-def summary(name: str, rows: list[tuple[float, bool]]) -> dict:
+def summary(name: str, rows: list[tuple[float, bool, float]]) -> dict:
     conf = np.array([r[0] for r in rows])
     right = np.array([r[1] for r in rows], dtype=float)
+    p1 = np.array([r[2] for r in rows])
     s = {
         "answers": len(rows),
         "accuracy": float(right.mean()) if len(rows) else None,
@@ -59,19 +62,26 @@ def summary(name: str, rows: list[tuple[float, bool]]) -> dict:
         "ece": ece(conf, right),
         "right_confidence_spread": float(np.std(conf[right == 1])) if right.any() else None,
         "bins": bins(conf, right),
+        "vote_probability": {
+            "mean": float(p1.mean()) if len(rows) else None,
+            "ece": ece(p1, right),
+            "bins": bins(p1, right),
+        },
     }
     print(f"{name}: {s['answers']} answers, accuracy {100 * s['accuracy']:.1f}%, mean confidence "
           f"{100 * s['mean_confidence']:.1f}%; ECE {s['ece']:.3f}; std of the confidence of right "
-          f"answers {s['right_confidence_spread']:.3f}", flush=True)  # fmt: skip
+          f"answers {s['right_confidence_spread']:.3f}; the vote's probability: mean "
+          f"{100 * p1.mean():.1f}%, ECE {s['vote_probability']['ece']:.3f}", flush=True)  # fmt: skip
     return s
 
 
-def answers(c, queries) -> list[tuple[float, bool]]:
+def answers(c, queries) -> list[tuple[float, bool, float]]:
+    """(confidence, right, the vote's probability) of each answer given."""
     out = []
     for truth, img in queries:
         x = c.post("/classify", files={"image": ("q.png", img)}).json()
         if x["label"] is not None:
-            out.append((x["confidence"], x["label"] == truth))
+            out.append((x["confidence"], x["label"] == truth, x["nearest_probability"]))
     return out
 
 
@@ -141,6 +151,9 @@ def figure(path: Path, parts: dict) -> None:
         b = s["bins"]
         ax.plot([x["confidence"] for x in b], [x["accuracy"] for x in b], "s-",
                 label=f"confidence (ECE {s['ece']:.3f})")  # fmt: skip
+        v = s["vote_probability"]
+        ax.plot([x["confidence"] for x in v["bins"]], [x["accuracy"] for x in v["bins"]], "o--",
+                alpha=0.6, label=f"vote's probability (ECE {v['ece']:.3f})")  # fmt: skip
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("confidence")
         ax.set_ylabel("accuracy")
@@ -156,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("fashion_run", type=Path, help="a model of 7 trained Fashion-MNIST classes")
     ap.add_argument("photo_run", type=Path, help="the pretrained photo model (make photos)")
     ap.add_argument("--queries", type=int, default=2000)
-    ap.add_argument("--draws", type=int, default=3)
+    ap.add_argument("--draws", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)

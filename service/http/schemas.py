@@ -28,7 +28,9 @@ class ClassifyResult(BaseModel):
         "label is then only `nearest_label`, a guess) or the gallery is empty",
     )
     confidence: float | None = Field(
-        ..., description="probability of `label`; null when `label` is"
+        ...,
+        description="how likely `label` is right: the vote's share between its two best labels "
+        "(calibrated on queries of the gallery's labels: docs/RESULTS.md); null when `label` is",
     )
     nearest_label: str | None = Field(
         None,
@@ -36,7 +38,9 @@ class ClassifyResult(BaseModel):
         "not an answer); null if the gallery is empty",
     )
     nearest_probability: float | None = Field(
-        None, description="the vote's probability of `nearest_label`"
+        None,
+        description="the vote's probability of `nearest_label` (among all labels: it falls as "
+        "labels are added; `confidence` is the calibrated one)",
     )
     probabilities: list[Probability] = Field(..., description="top 5 labels")
     unknown: bool = Field(
@@ -104,7 +108,7 @@ class ClassifyResult(BaseModel):
         "json_schema_extra": {
             "example": {
                 "label": "Sneaker",
-                "confidence": 0.97,
+                "confidence": 0.98,
                 "nearest_label": "Sneaker",
                 "nearest_probability": 0.97,
                 "probabilities": [
@@ -112,8 +116,8 @@ class ClassifyResult(BaseModel):
                     {"label": "Sandal", "probability": 0.02},
                 ],
                 "unknown": False,
-                "explanation": "Most like the images of 'Sneaker': 97% of the vote among its "
-                "nearest images.",
+                "explanation": "Most like the images of 'Sneaker': 98% likely right, from the "
+                "vote of its nearest images against 'Sandal', the next label.",
                 "unknown_score": 0.93,
                 "unknown_threshold": 0.88,
                 "unknown_tpr": 0.95,

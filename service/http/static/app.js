@@ -110,6 +110,8 @@ function showTab(name) {
 // ---------------------------------------------------------------- classify
 async function classify(file) {
   say("");
+  batchRun += 1; // (a batch still running stops)
+  $("classify-batch").hidden = true;
   const fd = new FormData();
   fd.append("image", file);
   const q = new URLSearchParams({ k: $("classify-k").value || "30", vote: $("classify-vote").value, neighbors: "true" });
@@ -161,6 +163,79 @@ async function classify(file) {
     $("classify-neighbours").replaceChildren();
     say(e.message);
   }
+}
+
+// Several images at once (picked, dropped or pasted): one row each, classified one after the
+// other (the service batches what arrives together anyway), at most BATCH_MAX a go.
+const BATCH_MAX = 200;
+let batchRun = 0; // a newer batch stops an older one
+async function classifyMany(files) {
+  if (files.length === 1) return classify(files[0]);
+  say(files.length > BATCH_MAX ? `${files.length} images: the first ${BATCH_MAX} are classified` : "");
+  files = files.slice(0, BATCH_MAX);
+  const run = ++batchRun;
+  $("classify-result").hidden = true;
+  $("classify-neighbours-title").hidden = true;
+  $("classify-neighbours").replaceChildren();
+  $("classify-batch").hidden = false;
+  const body = $("classify-batch-table").tBodies[0];
+  for (const u of body.querySelectorAll("img")) URL.revokeObjectURL(u.src);
+  const rows = files.map((f) => {
+    const tr = document.createElement("tr");
+    const img = document.createElement("img");
+    img.className = "batch-thumb";
+    img.alt = f.name || "pasted image";
+    img.src = URL.createObjectURL(f);
+    const cells = [img, f.name || "pasted image", "…", ""].map((v) => {
+      const td = document.createElement("td");
+      td.append(v);
+      return td;
+    });
+    tr.append(...cells);
+    return tr;
+  });
+  body.replaceChildren(...rows);
+  const counts = { named: 0, unknown: 0, failed: 0 };
+  for (const [i, f] of files.entries()) {
+    if (run !== batchRun) return;
+    $("classify-batch-progress").textContent = `${i} of ${files.length} classified…`;
+    const [, , answer, why] = rows[i].children;
+    const fd = new FormData();
+    fd.append("image", f);
+    try {
+      const r = await api("/classify", { method: "POST", body: fd });
+      if (r.unknown || r.label == null) {
+        counts.unknown += 1;
+        answer.textContent = r.nearest_label == null ? "unknown" : `unknown (nearest label ${r.nearest_label})`;
+        rows[i].className = "unknown";
+      } else {
+        counts.named += 1;
+        answer.textContent = `${r.label} (${pct(r.confidence)})`;
+      }
+      why.textContent = r.explanation;
+    } catch (e) {
+      counts.failed += 1;
+      answer.textContent = "not classified";
+      why.textContent = e.message;
+      rows[i].className = "failed";
+    }
+  }
+  $("classify-batch-progress").textContent = `${files.length} classified: ${counts.named} named, ${counts.unknown} unknown` + (counts.failed ? `, ${counts.failed} could not be read` : "");
+  refreshStatus();
+}
+
+// A pasted image (Ctrl+V anywhere on the Classify tab, outside a text field) is classified.
+function onPaste(e) {
+  if ($("tab-classify").hidden) return;
+  const t = e.target;
+  if (t && (t.tagName === "INPUT" || t.tagName === "TEXTAREA") && t.type !== "file") return;
+  const files = [...(e.clipboardData?.files || [])].filter((f) => f.type.startsWith("image/"));
+  if (!files.length) {
+    say("Nothing to classify in what was pasted: copy an image (not its address), then paste.");
+    return;
+  }
+  e.preventDefault();
+  classifyMany(files);
 }
 
 // ---------------------------------------------------------------- register
@@ -224,7 +299,10 @@ async function register(ev) {
     const check = new FormData();
     check.append("image", files[0]);
     const c = await api("/classify", { method: "POST", body: check });
-    $("register-check").textContent = `${c.label ?? c.nearest_label} (${pct(c.confidence ?? c.nearest_probability)})${c.unknown ? " — still unknown" : ""}`;
+    // an unknown answer gets no percentage: its nearest label is a guess, not an answer
+    $("register-check").textContent = c.unknown
+      ? `still unknown (nearest label ${c.nearest_label})`
+      : `${c.label} (${pct(c.confidence)} likely right)`;
     showDiagnostics(r.diagnostics);
     $("register-carried").hidden = true;
     $("register-result").hidden = false;
@@ -288,6 +366,10 @@ async function loadLabels() {
         td.textContent = v;
         tr.append(td);
       }
+      const checks = document.createElement("td");
+      checks.className = "checks muted";
+      checks.textContent = "…";
+      tr.append(checks);
       const td = document.createElement("td");
       const its = document.createElement("button");
       its.textContent = "items";
@@ -309,9 +391,44 @@ async function loadLabels() {
     });
     $("labels-table").tBodies[0].replaceChildren(...rows);
     applyAccess();
+    labelChecks(rows, ++labelsShown);
   } catch (e) {
     say(e.message);
   }
+}
+
+// What the service knows about each label (GET /gallery/diagnostics: overlaps, one-image
+// labels, outliers), filled in row by row after the table shows: one call at a time (the
+// service bounds how many run at once), the first LABEL_CHECKS labels only.
+const LABEL_CHECKS = 200;
+let labelsShown = 0; // a newer listing stops an older one's checks
+async function labelChecks(rows, shown) {
+  for (const tr of rows.slice(0, LABEL_CHECKS)) {
+    if (shown !== labelsShown) return;
+    const td = tr.querySelector("td.checks");
+    try {
+      const d = await api(`/gallery/diagnostics?${new URLSearchParams({ label: tr.dataset.label })}`);
+      if (d.warnings.length) {
+        const ul = document.createElement("ul");
+        ul.className = "warnings";
+        ul.replaceChildren(...d.warnings.map((w) => {
+          const li = document.createElement("li");
+          li.className = "warning";
+          // long lists (every suspected image) cut short here, whole in the tooltip
+          li.textContent = w.length > 160 ? `${w.slice(0, 157)}…` : w;
+          li.title = w;
+          return li;
+        }));
+        td.replaceChildren(ul);
+        td.classList.remove("muted");
+      } else {
+        td.textContent = "ok";
+      }
+    } catch (e) {
+      td.textContent = `not checked: ${e.message}`;
+    }
+  }
+  for (const tr of rows.slice(LABEL_CHECKS)) tr.querySelector("td.checks").textContent = "";
 }
 
 // a label's items as thumbnails, a page at a time, each relabelled (its label) or removed
@@ -609,15 +726,16 @@ async function refreshStatus() {
   }
 }
 
-function dropZone(zone, input, onFile) {
+// `onFiles` takes every file dropped or picked; `onFile` alone, the first.
+function dropZone(zone, input, onFile, onFiles = (fs) => onFile(fs[0])) {
   zone.addEventListener("dragover", (e) => { e.preventDefault(); zone.classList.add("over"); });
   zone.addEventListener("dragleave", () => zone.classList.remove("over"));
   zone.addEventListener("drop", (e) => {
     e.preventDefault();
     zone.classList.remove("over");
-    if (e.dataTransfer.files.length) onFile(e.dataTransfer.files[0]);
+    if (e.dataTransfer.files.length) onFiles([...e.dataTransfer.files]);
   });
-  input.addEventListener("change", () => { if (input.files.length) onFile(input.files[0]); });
+  input.addEventListener("change", () => { if (input.files.length) onFiles([...input.files]); });
 }
 
 document.addEventListener("DOMContentLoaded", () => {
@@ -630,7 +748,8 @@ document.addEventListener("DOMContentLoaded", () => {
     refreshStatus();
   });
   for (const b of document.querySelectorAll("nav button")) b.addEventListener("click", () => showTab(b.dataset.tab));
-  dropZone($("classify-drop"), $("classify-file"), classify);
+  dropZone($("classify-drop"), $("classify-file"), classify, classifyMany);
+  document.addEventListener("paste", onPaste);
   dropZone($("search-file").parentElement, $("search-file"), search);
   $("register-form").addEventListener("submit", register);
   $("suggest-accept").addEventListener("click", acceptSuggestions);

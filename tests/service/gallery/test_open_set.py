@@ -99,7 +99,11 @@ def test_noise_ranks_below_known_images_and_the_request_can_set_the_rate(server,
             assert x["nearest_label"] and 0 < x["nearest_probability"] <= 1, x
         else:
             assert x["label"] == x["nearest_label"] is not None, x
-            assert x["confidence"] == x["nearest_probability"], x
+            # how likely right: the share between the two best labels, never under p1
+            p = [q["probability"] for q in x["probabilities"]]
+            want = p[0] / (p[0] + p[1]) if len(p) > 1 else 1.0
+            assert x["confidence"] == pytest.approx(want, abs=1e-6), x
+            assert x["confidence"] >= x["nearest_probability"] - 1e-6, x
     assert np.mean([x["unknown"] for x in ask(known, "?unknown_tpr=0.5")]) <= 0.7
     off = ask(noise, "?unknown=off")
     assert not any(x["unknown"] for x in off) and all(x["unknown_tpr"] is None for x in off)

@@ -1,6 +1,7 @@
 """The web page in a real browser: Debian's Chromium (/usr/bin/chromium, installed by `make
 test`) driven by Playwright, against a real snca-serve process on loopback with thumbnails."""
 
+import base64
 import os
 import shutil
 
@@ -72,6 +73,31 @@ def test_classify_register_labels_search_in_the_browser(
     expect(page.locator("#classify-neighbours .cell img")).to_have_count(10)
     page.screenshot(path=str(artifacts / "classify.png"), full_page=True)
 
+    # several images at once: a row each, the unreadable one with the service's reason
+    page.set_input_files(
+        "#classify-file", [str(files["sneaker"]), str(files["tee1"]), str(tmp_path / "notes.png")]
+    )
+    expect(page.locator("#classify-batch-progress")).to_contain_text("3 classified", timeout=30_000)
+    expect(page.locator("#classify-batch-progress")).to_contain_text("1 could not be read")
+    rows = page.locator("#classify-batch-table tbody tr")
+    expect(rows).to_have_count(3)
+    expect(rows.nth(0)).to_contain_text(expected)
+    expect(rows.nth(2)).to_contain_text("415")
+    expect(page.locator("#classify-result")).to_be_hidden()
+    page.screenshot(path=str(artifacts / "classify-batch.png"), full_page=True)
+    # a pasted image is classified (Ctrl+V: a paste event carrying the image file)
+    page.evaluate(
+        """async (b64) => {
+            const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+            const dt = new DataTransfer();
+            dt.items.add(new File([bytes], "pasted.png", { type: "image/png" }));
+            document.body.dispatchEvent(new ClipboardEvent("paste", { clipboardData: dt, bubbles: true }));
+        }""",
+        base64.b64encode(files["sneaker"].read_bytes()).decode(),
+    )
+    expect(page.locator("#classify-label")).to_have_text(expected)
+    expect(page.locator("#classify-batch")).to_be_hidden()
+
     # a 4xx from the service is shown as a readable message, not a crash
     page.set_input_files("#classify-file", str(tmp_path / "notes.png"))
     expect(page.locator("#message")).to_contain_text("415")
@@ -99,10 +125,20 @@ def test_classify_register_labels_search_in_the_browser(
     assert after and all(r[2] is not None and int(r[2]) >= 1 for r in after), after
     assert all(r[2] is None for r in sent[:add_at]), sent[:add_at]
 
-    # the label list shows it with its count; delete asks first, then removes it
+    # the label list shows it with its count and what the service knows of each label (a
+    # label of one image of a known kind is told it competes with that kind); delete asks
+    # first, then removes it
+    one = httpx.post(server.url + "/gallery/add", data={"label": "one-sneaker"},
+                     files={"images": ("s.png", files["sneaker"].read_bytes())})  # fmt: skip
+    assert one.status_code == 201, one.text
     page.click("nav button[data-tab=labels]")
     row = page.locator("#labels-table tr[data-label='my-tee']")
     expect(row).to_contain_text("3")
+    checks = page.locator("#labels-table tr[data-label='one-sneaker'] td.checks")
+    expect(checks.locator("li.warning")).to_contain_text(f"as '{expected}'", timeout=30_000)
+    expect(row.locator("td.checks")).not_to_have_text("…")
+    page.screenshot(path=str(artifacts / "labels.png"), full_page=True)
+    assert httpx.delete(server.url + "/gallery/labels/one-sneaker").status_code == 200
     # retrieval: the registered images come back first for one of them
     page.click("nav button[data-tab=search]")
     page.set_input_files("#search-file", str(files["tee2"]))
