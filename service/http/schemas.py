@@ -30,7 +30,8 @@ class ClassifyResult(BaseModel):
     confidence: float | None = Field(
         ...,
         description="how likely `label` is right: the vote's share between its two best labels "
-        "(calibrated on queries of the gallery's labels: docs/RESULTS.md); null when `label` is",
+        "(its reliability is measured in docs/RESULTS.md: close on a model's trained classes, "
+        "too high on photos and small labels); null when `label` is",
     )
     nearest_label: str | None = Field(
         None,
