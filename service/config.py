@@ -408,6 +408,12 @@ class Settings(BaseSettings):
         return Path(self.store) if self.store_url is None else self.data_dir / STORE_FILE
 
     @property
+    def home_store(self) -> str:
+        """The gallery's store as the store layer opens it: the PostgreSQL URL, or the SQLite
+        file's path (the home every start-up, carry and tool reads and writes)."""
+        return self.store_url or str(self.store_path)
+
+    @property
     def store_is_default(self) -> bool:
         """The store is DATA_DIR/gallery.sqlite because none was named."""
         return not self._store_given

@@ -1,5 +1,5 @@
 """ServiceState: everything the routes share once the service is up, complete when built
-(service/startup.py builds it): the model runtime, the store, the gallery, the write path
+(service/startup/ builds it): the model runtime, the store, the gallery, the write path
 (store commit, then the gallery, in sequence order; snapshots) and the follower.
 
 Every serving process is a replica of the store's change log. Its own writes are applied

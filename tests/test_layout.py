@@ -46,15 +46,15 @@ def test_no_stage_imports_a_sibling_and_the_contract_imports_no_stage():
 
 # ------------------------------------------------------------------------------ inside service/
 # service/'s folders say what runs where; each may import only the layers below it. The assembly
-# (cli, config, startup, state, workers, registration, ...) sits at the top level and may import
-# every folder but http/ (test_the_core_knows_nothing_of_http);
+# (cli, config, state, workers, registration, ...) sits at the top level and may import every
+# folder but http/ (test_the_core_knows_nothing_of_http), as startup/ (the assembly's start, in
+# parts by concern) does;
 # config (the settings) is imported by the layers that read settings, and imports only store/.
 SERVICE_TOP = {
     "__init__",
     "__main__",
     "cli",
     "config",
-    "startup",
     "state",
     "workers",
     "model_process",
@@ -75,6 +75,9 @@ SERVICE_LAYERS = {
     "tools": {"store", "gallery", "model", "review", "config", "state", "startup"}
     | {"registration", "logs", "learn_job", "learned"},  # the CLIs
     "config": {"store"},
+    # start-up: opening, which gallery, the start-up carry, finishing, the host
+    "startup": {"store", "gallery", "model", "review", "config", "state", "metrics", "logs"}
+    | {"registration", "learned", "learn_job", "workers"},
     "metrics": set(),  # what every process counts (prometheus)
     "logs": set(),  # JSON lines with the request id
 }
@@ -220,3 +223,17 @@ def test_no_test_module_imports_another():
                     if a.name.split(".")[-1].startswith("test_")
                 ]
     assert not bad, bad
+
+
+def test_no_route_imports_another():
+    """Routes share what they share through http/'s own modules (fields, urls, inputs,
+    idempotency, schemas), never by importing another route: each route module is one leaf."""
+    routes = {m for m in service_imports() if m.startswith("service.http.routes.")}
+    bad = [
+        f"{m} imports {i}"
+        for m in routes
+        for i in service_imports()[m]
+        if i.startswith("service.http.routes.") and i != m
+    ]
+    assert not bad, bad
+    assert len(routes) >= 8  # (the check sees the routes)

@@ -194,7 +194,7 @@ class Gallery:
     def _lacking(self, ids: np.ndarray) -> np.ndarray:
         """(n,) bool: which of `ids` (that the rows lack) the index lacks too. While the index
         holds as many vectors as the rows hold live items (start-up checks they hold the same
-        ids: service/startup.py), an id the rows lack is not in the index: no lookup; else
+        ids: service/startup/finishing.py), an id the rows lack is not in the index: no lookup; else
         each id is looked up (a vector held already is not added again)."""
         if self.vectors.live_count() == self.size():
             return np.ones(len(ids), dtype=bool)

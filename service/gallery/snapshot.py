@@ -140,7 +140,7 @@ def load_snapshot(
 
 def discard_snapshot(data_dir: Path, seq: int) -> bool:
     """Remove the data dir's snapshot if it is still the one at write `seq` (found to disagree
-    with the store: service/startup.py load_gallery); a newer one another process wrote
+    with the store: service/startup/finishing.py load_gallery); a newer one another process wrote
     meanwhile stays. Whether it was removed."""
     d = Path(data_dir) / SNAPSHOT_DIR
     with data_dir_lock(data_dir):

@@ -8,6 +8,8 @@ the records); the key with another request is 422 idempotency_key_reused."""
 
 from __future__ import annotations
 
+import inspect
+
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
@@ -48,17 +50,20 @@ async def replay(state, keyed: Keyed, digest: str, seq: int, outcome: dict, op: 
 
 
 async def keyed_write(request: Request, state, op: str, asked: tuple, write):
-    """A write under the request's Idempotency-Key (if any): `write(keyed)` in a worker thread
-    unless the key was used; (its result, None), or (None, (seq, outcome)) for a key used
-    before by this very request (its first write applied where the model votes: `replay`;
-    422 for another request's key). A refusal (records.Refused) is answered as a problem.
-    `asked`: what the request asked (the key's digest)."""
+    """A write under the request's Idempotency-Key (if any): `write(keyed)` unless the key was
+    used (in a worker thread; awaited when it is a coroutine function, as an add that embeds
+    first); (its result, None), or (None, (seq, outcome)) for a key used before by this very
+    request (its first write applied where the model votes: `replay`; 422 for another
+    request's key). A refusal (records.Refused) is answered as a problem. `asked`: what the
+    request asked (the key's digest)."""
     keyed = idempotency_key(request, state.settings.idempotency_ttl_s, op, *asked)
     found = None
     if keyed is not None:
         found = await run_in_threadpool(state.store.request, keyed.key)
     if found is None:
         try:
+            if inspect.iscoroutinefunction(write):
+                return await write(keyed), None
             return await run_in_threadpool(write, keyed), None
         except Replayed as e:
             found = (keyed.digest if e.same else "", e.seq, e.outcome)

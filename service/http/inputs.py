@@ -155,3 +155,28 @@ def idempotency_key(request: Request, ttl_s: float, *asked: bytes | str) -> Keye
         b = part.encode() if isinstance(part, str) else bytes(part)
         h.update(len(b).to_bytes(8, "little") + b)
     return Keyed(key, h.hexdigest(), ttl_s)
+
+
+ERRORS = {  # (what every route or upload answers: service/http/openapi.py)
+    400: {"description": "undecodable image or malformed multipart body"},
+    404: {"description": "a label in the `labels` filter is unknown"},
+    413: {"description": "body, image or the request's pixels too large"},
+}
+
+
+async def read_uploads(request: Request, field: str, max_files: int) -> list[bytes]:
+    """The files of multipart field `field` (at least one; 422 like FastAPI's when missing;
+    413 `too_many_files` above `max_files`)."""
+    got = (await read_form(request, max_files + 8, (field,))).files.get(field)
+    if not got:
+        raise missing(field)
+    if len(got) > max_files:
+        raise Problem(413, "too_many_files", f"{len(got)} images; the limit is {max_files}")
+    return got
+
+
+def check_labels(state, labels) -> None:
+    """404 `label_unknown` naming the labels of a filter that the gallery does not have."""
+    unknown = [lab for lab in labels if not state.gallery.has_label(lab)]
+    if unknown:
+        raise Problem(404, "label_unknown", f"unknown labels in the filter: {', '.join(unknown)}")

@@ -402,7 +402,7 @@ class ModelRuntime(Runtime):
         return None
 
     def migration_report(self):
-        """(A migration in this process is reported by start-up itself: startup._migrate.)"""
+        """(A migration in this process is reported by start-up itself: startup.carry.migrate.)"""
         return None
 
     def pid(self) -> int:

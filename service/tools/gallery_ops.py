@@ -29,10 +29,6 @@ def settings_of(args: dict, **overrides):
         raise SNCAError(msgs) from None
 
 
-def home_of(settings) -> str:
-    return settings.store_url or str(settings.store_path)
-
-
 def _shown(target: str) -> str:
     from service.store.postgres import redact
 
@@ -42,7 +38,7 @@ def _shown(target: str) -> str:
 def _open_home(settings):
     from service.store.registry import backend_class, open_as_found
 
-    home = home_of(settings)
+    home = settings.home_store
     cls = backend_class(home)
     if not cls.exists(home):
         raise SNCAError(
@@ -309,7 +305,7 @@ def restore(args: dict, say=print) -> int:
     from service.store.registry import backend_class
 
     settings = settings_of(args)
-    target = home_of(settings)
+    target = settings.home_store
     cls = backend_class(target)
     b.verify(Path(args["backup"]))  # (a broken backup is refused before anything is moved)
     if cls.exists(target):

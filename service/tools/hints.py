@@ -28,7 +28,7 @@ def gallery_state(model: Path) -> tuple[Path, Path, dict[str, int] | None, str |
 
     settings = Settings(model=model, follow_alias=True)
     moved = follow_alias(settings)
-    home = settings.store_url or str(settings.store_path)
+    home = settings.home_store
     cls = backend_class(home)
     if not cls.exists(home):
         return Path(settings.model), Path(settings.data_dir), None, moved

@@ -55,7 +55,7 @@ def where(request, tmp_path):
 def test_a_replica_started_while_a_correction_commits_holds_each_item_once(
     base_run, tmp_path, fmnist_train, monkeypatch, where
 ):
-    import service.startup as startup
+    import service.startup.finishing as startup
 
     shots = of_class(fmnist_train, 0, 30)
     files = [("images", (f"{i}.png", png(fmnist_train, i), "image/png")) for i in shots]

@@ -14,19 +14,13 @@ from embedding.votes import VOTES
 from service.gallery.labels import normalize_label
 from service.gallery.query import VoteQuery
 from service.http.deps import GuardedRoute, access, ready_state
-from service.http.inputs import missing, read_form
-from service.http.problems import Problem
+from service.http.inputs import ERRORS, check_labels, read_uploads
 from service.http.schemas import BatchResult, ClassifyResult
+from service.http.urls import thumbnail_url
 from service.model.runtime import Answer
 from service.state import ServiceState
 
 router = APIRouter(tags=["classify"], route_class=GuardedRoute)
-
-ERRORS = {  # (what every route or upload answers: service/http/openapi.py)
-    400: {"description": "undecodable image or malformed multipart body"},
-    404: {"description": "a label in the `labels` filter is unknown"},
-    413: {"description": "body, image or the request's pixels too large"},
-}
 
 
 class ClassifyQuery(BaseModel):
@@ -132,17 +126,6 @@ def read_query(request: Request) -> tuple[ServiceState, VoteQuery, float | None]
     return state, VoteQuery(q.vote or s.vote, q.k or s.k, labels, q.neighbors), tpr
 
 
-def check_labels(state: ServiceState, labels) -> None:
-    """404 `label_unknown` naming the labels of a filter that the gallery does not have."""
-    unknown = [lab for lab in labels if not state.gallery.has_label(lab)]
-    if unknown:
-        raise Problem(404, "label_unknown", f"unknown labels in the filter: {', '.join(unknown)}")
-
-
-def thumbnail_url(item_id: int) -> str:
-    return f"/gallery/items/{item_id}/thumbnail"
-
-
 async def add_thumbnail_urls(state: ServiceState, results: list[dict]) -> None:
     """Give each neighbour that has a thumbnail in the store its URL (one store query)."""
     ids = [n["id"] for r in results for n in r.get("neighbors", ())]
@@ -166,17 +149,6 @@ def result(
     skipping FastAPI's validate-and-serialise pass (a quarter of the per-request CPU for 28x28
     images). The route tests check every response against the ClassifyResult schema."""
     return a.result(state.fingerprint, state.settings, vote, k, neighbors, tpr)
-
-
-async def read_uploads(request: Request, field: str, max_files: int) -> list[bytes]:
-    """The files of multipart field `field` (at least one; 422 like FastAPI's when missing;
-    413 `too_many_files` above `max_files`)."""
-    got = (await read_form(request, max_files + 8, (field,))).files.get(field)
-    if not got:
-        raise missing(field)
-    if len(got) > max_files:
-        raise Problem(413, "too_many_files", f"{len(got)} images; the limit is {max_files}")
-    return got
 
 
 async def answers(

@@ -9,51 +9,18 @@ replayed, a write key needed where keys are set."""
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from service.gallery.labels import LABEL_PATTERN, check_label, normalize_label
+from service.gallery.labels import check_label, normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
+from service.http.fields import MAX_IDS, ItemId, ItemIds, Label
 from service.http.idempotency import REPLAYED, keyed_write
 from service.http.inputs import IDEMPOTENCY_PARAMETER, idempotency_key
-from service.http.openapi import LABEL_FIELD
 from service.http.problems import Problem
-from service.http.routes.gallery import ItemId
 
 router = APIRouter(prefix="/gallery", tags=["gallery"], route_class=GuardedRoute)
-
-MAX_IDS = 1000  # items one relabel may name (one write; bounded time under the write lock)
-
-# a label as the gallery takes it (openapi.py writes SNCA_MAX_LABEL_LENGTH in as maxLength)
-Label = Annotated[
-    str,
-    Field(
-        min_length=1,
-        max_length=1000,
-        pattern=LABEL_PATTERN,
-        description="a label name",
-        json_schema_extra={LABEL_FIELD: True},
-    ),
-]
-# ids in a JSON body: below 2^53, a number every JSON reader holds exactly (ids count up from 0)
-JSON_ID_MAX = 2**53 - 1
-
-
-def _not_bool(v):
-    """JSON Schema's integer: 3 and 3.0, never true (which lax int validation takes as 1)."""
-    if isinstance(v, bool):
-        raise ValueError("an id is a number, not true or false")
-    return v
-
-
-JsonId = Annotated[int, Field(ge=0, le=JSON_ID_MAX), BeforeValidator(_not_bool)]
-ItemIds = Annotated[
-    list[JsonId],
-    Field(min_length=1, max_length=MAX_IDS, description=f"1 to {MAX_IDS} item ids"),
-]
 
 
 class NewLabel(BaseModel):

@@ -6,24 +6,23 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from embedding.thumbnails import thumbnail_mime
 from service.gallery.labels import LABEL_PATTERN, check_label, normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
-from service.http.idempotency import REPLAYED, keyed_write, replay
+from service.http.fields import ItemId
+from service.http.idempotency import REPLAYED, keyed_write
 from service.http.inputs import (
     IDEMPOTENCY_PARAMETER,
-    idempotency_key,
     missing,
     parse_metadata,
     read_form,
     text_field,
 )
 from service.http.problems import Problem
-from service.http.routes.classify import thumbnail_url
 from service.http.schemas import (
     AddResult,
     DeleteResult,
@@ -33,14 +32,14 @@ from service.http.schemas import (
     LabelInfo,
     LabelsResult,
 )
+from service.http.urls import thumbnail_url
 from service.registration import register
 from service.store import ItemRow
-from service.store.records import Keyed, Replayed
+from service.store.records import Keyed
 
 router = APIRouter(prefix="/gallery", tags=["gallery"], route_class=GuardedRoute)
 
 # Ids are SQLite integers (64-bit): a larger number is a 422, not an overflow deeper down.
-ItemId = Annotated[int, Path(ge=0, le=2**63 - 1, description="gallery item id")]
 Limit = Annotated[int, Query(ge=1, le=1000, description="items per page")]
 ItemCursor = Annotated[
     str | None,
@@ -130,18 +129,23 @@ async def add(request: Request, state: StateDep):
         )
     md_text = text_field(form, "metadata", "metadata_invalid")
     md = parse_metadata(md_text, len(datas), s.max_metadata_bytes)
-    keyed = idempotency_key(request, s.idempotency_ttl_s, "add", label, md_text or "", *datas)
-    if keyed is not None:  # a retry: answered as the first attempt was, nothing embedded
-        found = await run_in_threadpool(state.store.request, keyed.key)
-        if found is not None:
-            return await _added_before(state, keyed, *found)
-    prepared = await state.runtime.prepare_async(
-        datas, [f"images[{i}]" for i in range(len(datas))], thumbnails=s.thumbnails
-    )
-    try:
-        added = await register(state, label, prepared, md, keyed)
-    except Replayed as e:  # its first attempt committed meanwhile (a concurrent retry)
-        return await _added_before(state, keyed, keyed.digest if e.same else "", e.seq, e.outcome)
+
+    async def write(keyed: Keyed | None):
+        prepared = await state.runtime.prepare_async(
+            datas, [f"images[{i}]" for i in range(len(datas))], thumbnails=s.thumbnails
+        )
+        return await register(state, label, prepared, md, keyed)
+
+    # a retry of a write made is answered as the first attempt was, nothing embedded
+    added, found = await keyed_write(request, state, "add", (label, md_text or "", *datas), write)
+    if found is not None:
+        seq, outcome = found
+        ids, label = outcome["ids"], outcome["label"]
+        out = AddResult(
+            ids=ids, label=label, count=state.gallery.count_of(label), gallery_version=seq
+        )
+        headers = {"Location": f"/gallery/items/{ids[0]}", REPLAYED: "true"}
+        return JSONResponse(out.model_dump(), status_code=201, headers=headers)
     ids, seq, emb, stats = added.ids, added.seq, added.embeddings, added.stats
     diag = await run_in_threadpool(
         state.gallery.diagnose, label, s.vote, s.k, s.unknown_tpr, ids, emb, stats
@@ -156,14 +160,6 @@ async def add(request: Request, state: StateDep):
     return JSONResponse(
         out.model_dump(), status_code=201, headers={"Location": f"/gallery/items/{ids[0]}"}
     )
-
-
-async def _added_before(state, keyed: Keyed, digest: str, seq: int, outcome: dict):
-    await replay(state, keyed, digest, seq, outcome, "add")
-    ids, label = outcome["ids"], outcome["label"]
-    out = AddResult(ids=ids, label=label, count=state.gallery.count_of(label), gallery_version=seq)
-    headers = {"Location": f"/gallery/items/{ids[0]}", REPLAYED: "true"}
-    return JSONResponse(out.model_dump(), status_code=201, headers=headers)
 
 
 @router.get(

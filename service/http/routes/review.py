@@ -16,10 +16,11 @@ from starlette.concurrency import run_in_threadpool
 from embedding.thumbnails import thumbnail_mime
 from service.gallery.labels import check_label
 from service.http.deps import GuardedRoute, StateDep, access
+from service.http.fields import JsonId, Label
 from service.http.idempotency import REPLAYED, keyed_write
 from service.http.inputs import IDEMPOTENCY_PARAMETER
 from service.http.problems import Problem
-from service.http.routes.corrections import JsonId, Label
+from service.http.urls import queued_thumbnail_url
 from service.review import groups as grouping
 
 router = APIRouter(prefix="/review", tags=["review"], route_class=GuardedRoute)
@@ -47,10 +48,6 @@ class Named(BaseModel):
     gallery_version: int
 
 
-def thumbnail_url(queued_id: int) -> str:
-    return f"/review/items/{queued_id}/thumbnail"
-
-
 def _entry(q) -> dict:
     return {
         "id": q.id,
@@ -59,7 +56,7 @@ def _entry(q) -> dict:
         "nearest_label": q.nearest,
         "margin": round(q.margin, 4),
         "unknown_reason": q.reason,
-        "thumbnail_url": thumbnail_url(q.id) if q.has_thumbnail else None,
+        "thumbnail_url": queued_thumbnail_url(q.id) if q.has_thumbnail else None,
     }
 
 

@@ -10,8 +10,9 @@ from starlette.concurrency import run_in_threadpool
 
 from service.gallery.labels import normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
-from service.http.routes.classify import ERRORS, check_labels, read_uploads, thumbnail_url
+from service.http.inputs import ERRORS, check_labels, read_uploads
 from service.http.schemas import SearchResult
+from service.http.urls import thumbnail_url
 
 router = APIRouter(tags=["search"], route_class=GuardedRoute)
 

@@ -17,8 +17,7 @@ from service.gallery.labels import normalize_label
 from service.gallery.suggest import suggest
 from service.http.deps import GuardedRoute, StateDep, access
 from service.http.problems import Problem
-from service.http.routes.classify import thumbnail_url
-from service.http.routes.review import thumbnail_url as queued_thumbnail_url
+from service.http.urls import queued_thumbnail_url, thumbnail_url
 from service.review.groups import MAX_QUERIES
 
 router = APIRouter(prefix="/gallery", tags=["gallery"], route_class=GuardedRoute)
