@@ -10,6 +10,7 @@ import time
 from embedding.progress import Progress
 from service.config import Settings
 from service.startup.opening import Opening
+from service.store.carry import CarryState
 from service.store.migration import Migration, Report
 
 log = logging.getLogger("snca.service")
@@ -48,15 +49,15 @@ def carry_beside(o: Opening, settings: Settings, progress, status=None) -> Repor
     finally:
         g.close()
         g.home.close()
-    st = out.state or {}
+    st = out.state or CarryState(source_seq=0)
     carried = out.carry.carried if out.carry is not None else 0
     r = Report(
         carried=carried,
-        uncarried=[tuple(u) for u in st.get("uncarried", [])],
+        uncarried=[tuple(u) for u in st.uncarried],
         reembedded=True,
         archive="",
         seconds=time.perf_counter() - t0,
-        caught_up=int(st.get("caught_up", 0)),
+        caught_up=st.caught_up,
     )
     log.info("gallery carried beside the live one and switched", extra={"fields": r.to_dict()})
     return r

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
@@ -82,6 +82,55 @@ class Side:
 def state_key(gen: str) -> str:
     """The target's meta key holding the state of a carry from the gallery `gen`."""
     return f"carry:{gen}"
+
+
+@dataclass
+class CarryState:
+    """Everything a carry has done, saved with every target write it makes (JSON under
+    `state_key(source gen)` in the target's meta): a carry killed anywhere resumes from it, so
+    these fields are the whole of its resumability contract.
+
+    source_seq      the last source write the target holds; follow applies those after it
+    source_store    the source store's STORE_ID: a state from another store of the same gen
+                    (swapped away and made again) is stale, and the carry starts again
+    token           the source's log token at source_seq: another history of the source
+                    (restored, replaced) differs, and the carry refuses to resume
+    after_id        the last source id the backfill copied (-1: none yet)
+    backfilled      every live added item of the source at the start copied
+    ids             "kept" (ids as in the source) or "renumbered" (the `carried` table maps them)
+    uncarried       [old id, label, why] of items that could not be carried, the first
+                    UNCARRIED_KEPT; uncarried_count counts them all
+    started_at      when this carry began (UTC, ISO)
+    target_seq      the target's seq this state describes: a target written since by anything
+                    else is no longer described, and the carry starts again
+    source_next_id  the source's id counter last seen: the target's moves past it (ids kept)
+    caught_up       source writes applied by follow (reported by the endings)
+    """
+
+    source_seq: int
+    source_store: str | None = None
+    token: str | None = None
+    after_id: int = -1
+    backfilled: bool = False
+    ids: str = "kept"
+    uncarried: list = field(default_factory=list)
+    uncarried_count: int = 0
+    started_at: str | None = None
+    target_seq: int | None = None
+    source_next_id: int = 0
+    caught_up: int = 0
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def decode(cls, text: str) -> CarryState:
+        """From `encode`'s JSON (also a state saved before this record: the same keys, some
+        absent, which take their defaults)."""
+        d = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        d.setdefault("uncarried_count", len(d.get("uncarried", [])))
+        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 def _rows_of_ids(read: Read, d: sql.Dialect, template: str, ids: list[int]) -> list[tuple]:
@@ -129,13 +178,13 @@ class Carry:
         self.discard_hint = "remove that gallery and run the command again"
 
     # ------------------------------------------------------------------ state
-    def state(self) -> dict | None:
+    def state(self) -> CarryState | None:
         rows = self.target.store._select(
             self.target.store.dialect.q(sql.META_KEY), (state_key(self.source.gen),)
         )
-        return json.loads(rows[0][0]) if rows else None
+        return CarryState.decode(rows[0][0]) if rows else None
 
-    def _save(self, conn, st: dict, seq: int | None = None) -> None:
+    def _save(self, conn, st: CarryState, seq: int | None = None) -> None:
         """Inside a target write (`seq`; None: bookkeeping with no seq): the state, with the
         target's seq it describes (a resume finding the target written since by anything else
         starts again, reconciled), and (ids kept) the id counter past every id the source gave
@@ -143,32 +192,32 @@ class Carry:
         never be given out again by the target once live)."""
         tgt = self.target.store
         if seq is not None:
-            st["target_seq"] = int(seq)
-        tgt.set_meta(conn, state_key(self.source.gen), json.dumps(st, sort_keys=True))
-        want = int(st.get("source_next_id", 0))
+            st.target_seq = int(seq)
+        tgt.set_meta(conn, state_key(self.source.gen), st.encode())
+        want = int(st.source_next_id)
         if want and not self._renumbered():
             row = conn.execute(tgt.dialect.q(sql.META_KEY), ("next_id",)).fetchone()
             if int(row[0]) < want:
                 tgt.set_meta(conn, "next_id", str(want))
 
-    def _save_plain(self, st: dict) -> None:
+    def _save_plain(self, st: CarryState) -> None:
         self.target.store.plain(lambda c: self._save(c, st))
 
     def _write(self, fn: Callable[[object, int], None]) -> None:
         """A write of the target (one on standby admits only a carry's writes)."""
         self.target.store.transaction(fn, "carry")
 
-    def begin(self) -> dict:
+    def begin(self) -> CarryState:
         """The carry's state: resumed, or started now (see the module docstring)."""
         src, tgt = self.source.store, self.target.store
         st = self.state()
         here = src.meta().get(STORE_ID)
         stale = None
-        if st is not None and st.get("source_store") not in (None, here):
+        if st is not None and st.source_store not in (None, here):
             # another store of the same model and index build (the gallery was swapped away at
             # a start-up and made again since): the state follows a store that is gone
             stale = f"it was carried from an earlier store of {self.source.gen}"
-        elif st is not None and st.get("target_seq") not in (None, tgt.last_seq()):
+        elif st is not None and st.target_seq not in (None, tgt.last_seq()):
             # the target was written since by something else (a carry from another gallery,
             # its own writes while live): the state no longer describes what it holds
             stale = "it was written since by another carry or while it was live"
@@ -177,15 +226,15 @@ class Carry:
             tgt.plain(lambda c: self.forget(c))
             st = None
         if st is not None:
-            seq = int(st["source_seq"])
+            seq = int(st.source_seq)
             tok = src.log_token(seq) if seq > 0 else None
-            if tok is not None and st.get("token") is not None and tok != st["token"]:
+            if tok is not None and st.token is not None and tok != st.token:
                 raise ArtifactError(
                     f"the gallery {self.target.gen} was carried from another history of "
                     f"{self.source.gen} (its write {seq} differs: that gallery was restored or "
                     f"replaced since); it cannot be resumed: {self.discard_hint}"
                 )
-            self._ids = st.get("ids", "kept")
+            self._ids = st.ids
             return st
         seq = src.last_seq()  # read before anything is copied: later writes are followed
         self._load_trained()
@@ -198,17 +247,13 @@ class Carry:
         tombs = self._tombstones(src._select)
         moves = self._trained_moves(src._select(sql.RELABELLED_TRAINED))
         requests = [] if renumber else src._select(src.dialect.q(REQUESTS_UPTO), (seq,))
-        st = {
-            "source_seq": seq,
-            "source_store": here,
-            "token": src.log_token(seq),
-            "after_id": -1,
-            "backfilled": False,
-            "ids": "renumbered" if renumber else "kept",
-            "uncarried": [],
-            "uncarried_count": 0,
-            "started_at": utc_now(),
-        }
+        st = CarryState(
+            source_seq=seq,
+            source_store=here,
+            token=src.log_token(seq),
+            ids="renumbered" if renumber else "kept",
+            started_at=utc_now(),
+        )
 
         def fn(conn, wseq):
             d = tgt.dialect
@@ -360,7 +405,7 @@ class Carry:
     def _renumbered(self) -> bool:
         return self._ids == "renumbered"
 
-    def _embed(self, items: list[StoredItem], st: dict) -> list[StoredItem]:
+    def _embed(self, items: list[StoredItem], st: CarryState) -> list[StoredItem]:
         """`items` as the target stores them (re-embedded, or as they were); those that cannot
         be are counted and named in `st` (the first UNCARRIED_KEPT: it is saved with every
         write, so it stays small)."""
@@ -384,12 +429,12 @@ class Carry:
                 j += 1
         for it, err in zip(items, errors, strict=True):
             if err is not None:
-                st["uncarried_count"] = st.get("uncarried_count", 0) + 1
-                if len(st["uncarried"]) < UNCARRIED_KEPT:
-                    st["uncarried"].append([it.id, it.label, err])
+                st.uncarried_count = st.uncarried_count + 1
+                if len(st.uncarried) < UNCARRIED_KEPT:
+                    st.uncarried.append([it.id, it.label, err])
         return sorted(ok, key=lambda it: it.id)
 
-    def _add(self, items: list[StoredItem], st: dict, extra=None) -> None:
+    def _add(self, items: list[StoredItem], st: CarryState, extra=None) -> None:
         """Embed `items` with the target's model and write them (one target write per run of
         one label, in id order); the last write also saves `st` and runs `extra(conn, seq)`."""
         tgt = self.target.store
@@ -460,19 +505,19 @@ class Carry:
                 out.append((tid, label))
         return out
 
-    def backfill(self, st: dict) -> dict:
+    def backfill(self, st: CarryState) -> CarryState:
         """The bulk copy, resumed after the last batch committed."""
         src = self.source.store
         live = "SELECT COUNT(*) FROM items WHERE source = 'added' AND deleted_seq IS NULL"
         total = src._select(live)[0][0]
-        done = src._select(src.dialect.q(live + " AND id <= {p}"), (int(st["after_id"]),))[0][0]
+        done = src._select(src.dialect.q(live + " AND id <= {p}"), (int(st.after_id),))[0][0]
         self.progress(done, total)
-        while not st["backfilled"]:
-            items = src.added_items(int(st["after_id"]), self.batch)
+        while not st.backfilled:
+            items = src.added_items(int(st.after_id), self.batch)
             if not items:
-                st["backfilled"] = True
+                st.backfilled = True
                 if self._renumbered():  # (the records from before begin, once their ids are)
-                    reqs = src._select(src.dialect.q(REQUESTS_UPTO), (int(st["source_seq"]),))
+                    reqs = src._select(src.dialect.q(REQUESTS_UPTO), (int(st.source_seq),))
                     self._write(
                         lambda conn, seq, reqs=reqs: (
                             self._copy_requests(conn, reqs, seq),
@@ -482,7 +527,7 @@ class Carry:
                 else:
                     self._save_plain(st)
                 break
-            st["after_id"] = items[-1].id
+            st.after_id = items[-1].id
             self._add(items, st)
             done += len(items)
             self.progress(done, max(total, done))
@@ -535,20 +580,20 @@ class Carry:
             out.append((r[0], r[1], r[2], json.dumps(o, sort_keys=True), r[4]))
         return out
 
-    def follow(self, st: dict, read: Read | None = None) -> int:
-        """Apply the source's writes after st["source_seq"]; how many there were. `read`: the
+    def follow(self, st: CarryState, read: Read | None = None) -> int:
+        """Apply the source's writes after st.source_seq; how many there were. `read`: the
         source's connection inside its write transaction (the seal), else its own reads."""
         src = self.source.store
         read = read or src._select
         d = src.dialect
-        after = int(st["source_seq"])
+        after = int(st.source_seq)
         self._load_trained()
         cs = self._changes(read, after)
         if cs.floor > after:
             self._reconcile(read, st, cs.last_seq)
             return 1
         tokens = dict(read(d.q(sql.LOG_TOKENS), (after, cs.last_seq)))
-        st["source_next_id"] = int(dict(read(sql.META)).get("next_id", 0))
+        st.source_next_id = int(dict(read(sql.META)).get("next_id", 0))
         tombs: dict[int, list] = {}
         for t in self._tombstones(read, after):
             tombs.setdefault(int(t[2]), []).append(t)
@@ -562,11 +607,11 @@ class Carry:
         # those of the writes up to it (the state it saves moves past them), the rest go last.
         n = 0
         for c in cs.changes:
-            if c.seq <= int(st["source_seq"]):
+            if c.seq <= int(st.source_seq):
                 continue
             n += 1
-            st["source_seq"], st["token"] = c.seq, tokens.get(c.seq)
-            st["caught_up"] = int(st.get("caught_up", 0)) + 1  # (saved with this write)
+            st.source_seq, st.token = c.seq, tokens.get(c.seq)
+            st.caught_up = int(st.caught_up) + 1  # (saved with this write)
             tomb, keyed = _upto(tombs, c.seq), _upto(reqs, c.seq)
 
             def extra(conn, seq, tomb=tomb, keyed=keyed):
@@ -592,8 +637,8 @@ class Carry:
 
                 self._write(fn)
         self.caught_up += n
-        if cs.last_seq > int(st["source_seq"]):  # writes after the last change
-            st["source_seq"], st["token"] = cs.last_seq, tokens.get(cs.last_seq)
+        if cs.last_seq > int(st.source_seq):  # writes after the last change
+            st.source_seq, st.token = cs.last_seq, tokens.get(cs.last_seq)
             tomb, keyed = _upto(tombs, cs.last_seq), _upto(reqs, cs.last_seq)
             if tomb or keyed:
 
@@ -607,7 +652,7 @@ class Carry:
                 self._save_plain(st)
         return n
 
-    def _reconcile(self, read: Read, st: dict, last_seq: int) -> None:
+    def _reconcile(self, read: Read, st: CarryState, last_seq: int) -> None:
         """The source's log no longer reaches back to where this carry was (compacted): compare
         the two galleries in full (adds missing in the target carried, what the source no
         longer holds deleted, its tombstones applied, its Idempotency records since copied)."""
@@ -630,10 +675,10 @@ class Carry:
         moves = self._trained_moves(read(sql.RELABELLED_TRAINED))
         # the Idempotency records of the writes the log no longer holds (a client's retry on
         # the target must be answered by the first outcome, not made again)
-        requests = read(d.q(REQUESTS_AFTER), (int(st["source_seq"]),))
+        requests = read(d.q(REQUESTS_AFTER), (int(st.source_seq),))
         tok = read(d.q(sql.LOG_TOKEN), (last_seq,))
-        st["source_seq"], st["token"] = last_seq, tok[0][0] if tok else None
-        st["source_next_id"] = int(dict(read(sql.META)).get("next_id", 0))
+        st.source_seq, st.token = last_seq, tok[0][0] if tok else None
+        st.source_next_id = int(dict(read(sql.META)).get("next_id", 0))
 
         def fn(conn, seq):
             self._bury(conn, seq, tombs, gone)
@@ -643,14 +688,14 @@ class Carry:
 
         self._write(fn)
 
-    def catch_up(self, st: dict) -> dict:
+    def catch_up(self, st: CarryState) -> CarryState:
         """Rounds of follow until the source had no new write in a round (or CATCH_UP_ROUNDS)."""
         for _ in range(CATCH_UP_ROUNDS):
             if self.follow(st) == 0:
                 break
         return st
 
-    def seal(self, st: dict, ending: Callable, op: str) -> int:
+    def seal(self, st: CarryState, ending: Callable, op: str) -> int:
         """Inside one write transaction of the source (`op`, guarded as any write: refused on a
         gallery sealed or on standby): the last follow, then `ending(conn, seq, read)`; the
         source's seq of that write."""

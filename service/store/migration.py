@@ -326,7 +326,7 @@ class Migration:
                 def ending(conn, seq, read):
                     # the old store's write lock is held: nothing commits there until this does
                     report.seconds = time.perf_counter() - t0
-                    report.caught_up = int(st.get("caught_up", 0))
+                    report.caught_up = st.caught_up
                     self._finish(new, carry, report, st, dict(read(sql.META)))
                     target = {
                         "model_fingerprint": p.target.fingerprint,
@@ -398,9 +398,9 @@ class Migration:
         )[0][0]
         return Report(
             carried=int(added),
-            uncarried=[tuple(u) for u in st["uncarried"]],
+            uncarried=[tuple(u) for u in st.uncarried],
             deleted_trained=int(deleted),
-            renumbered=st.get("ids") == "renumbered",
+            renumbered=st.ids == "renumbered",
             reembedded=not self.plan.reuse,
             archive=str(self.data.previous / meta["archive"]),
         )

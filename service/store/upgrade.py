@@ -37,7 +37,7 @@ from embedding.errors import ArtifactError
 from embedding.gallery import STORE_ID, utc_now
 from service.store import migration
 from service.store.base import Store
-from service.store.carry import Carry, Embed, Side, state_key
+from service.store.carry import Carry, CarryState, Embed, Side, state_key
 from service.store.galleries import (
     LIVE_EPOCH,
     alias,
@@ -231,19 +231,15 @@ def switch(g: Galleries, carry: Carry, st: dict, say: Callable[[str], None] = pr
                 "another switch ran; nothing switched"
             )
         t_seq = tgt.store.last_seq()  # (on standby: only this run writes it)
-        back = {
-            "source_seq": t_seq,
-            "source_store": tgt.store.meta().get(STORE_ID),
-            "token": tgt.store.log_token(t_seq) if t_seq > 0 else None,
-            "after_id": -1,
-            "backfilled": True,
-            "ids": "kept",
-            "uncarried": [],
-            "uncarried_count": 0,
-            "started_at": utc_now(),
-            "target_seq": seq,  # (this seal's write: the gallery it describes)
-        }
-        src.store.set_meta(conn, state_key(tgt.gen), json.dumps(back, sort_keys=True))
+        back = CarryState(
+            source_seq=t_seq,
+            source_store=tgt.store.meta().get(STORE_ID),
+            token=tgt.store.log_token(t_seq) if t_seq > 0 else None,
+            backfilled=True,
+            started_at=utc_now(),
+            target_seq=seq,  # (this seal's write: the gallery it describes)
+        )
+        src.store.set_meta(conn, state_key(tgt.gen), back.encode())
         sealed = {
             "gen": tgt.gen,
             "model_fingerprint": tgt.info.get("model_fingerprint"),
@@ -266,7 +262,7 @@ class Outcome:
     gen: str | None
     live: str
     carry: Carry | None = None
-    state: dict | None = None
+    state: CarryState | None = None
     alias: dict | None = None
 
 

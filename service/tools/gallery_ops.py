@@ -192,13 +192,13 @@ def _carry(args: dict, resolve, switch: bool, say) -> int:
             say(f"the gallery of that model ({out.live}) is the live one already: nothing to do")
             return 0
         st, gen, live = out.state, out.gen, out.live
-        n_un = st.get("uncarried_count", len(st["uncarried"]))
+        n_un = st.uncarried_count
         say(
             f"{gen}: {out.carry.carried} items carried, {out.carry.deleted} deleted, up to write "
-            f"{st['source_seq']} of {live}"
+            f"{st.source_seq} of {live}"
             + (f"; {n_un} could not be carried (they stay in the old gallery)" if n_un else "")
         )
-        for item_id, label, why in st["uncarried"][:20]:
+        for item_id, label, why in st.uncarried[:20]:
             say(f"  not carried: item {item_id} ({label}): {why}")
         if out.alias is not None:
             say(
