@@ -28,7 +28,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.service.conftest import free_port
+from tests.service.helpers import free_port
 
 
 def wait_ready(url: str, proc, timeout: float) -> None:

@@ -296,7 +296,7 @@ def http(args) -> dict:
 
     import httpx
 
-    from tests.service.conftest import png  # a real test image as PNG bytes
+    from tests.service.helpers import png  # a real test image as PNG bytes
 
     test = load_raw("fashion-mnist", "test")
     bodies = [png(test, i) for i in range(200)]

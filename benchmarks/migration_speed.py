@@ -31,7 +31,7 @@ from PIL import Image  # noqa: E402
 from embedding.datasets import load_raw  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.startup import ServiceHost  # noqa: E402
-from tests.service.conftest import replaced_model  # noqa: E402
+from tests.service.helpers import replaced_model  # noqa: E402
 
 
 def main() -> int:

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from embedding.datasets import load_raw
 from embedding.rundir import RunDir
 from embedding.thumbnails import make_thumbnail
-from tests.service.conftest import Server
+from tests.service.helpers import Server
 
 TARGET = 0.95
 

@@ -237,3 +237,52 @@ def test_no_route_imports_another():
     ]
     assert not bad, bad
     assert len(routes) >= 8  # (the check sees the routes)
+
+
+# The benchmarks drive the real service the way the tests do, through the tests' helper modules
+# (a real server, images, a real PostgreSQL): this edge, and only it, is declared here.
+BENCHMARKS_MAY_IMPORT = {"tests.helpers", "tests.service.helpers", "tests.service.pg"}
+
+
+def _imports_from(folder: str) -> dict[str, set[str]]:
+    """{file: modules it imports from (absolute, or relative resolved)} for a folder's .py files."""
+    out = {}
+    for f in (ROOT / folder).rglob("*.py"):
+        pkg = list(f.relative_to(ROOT).parent.parts)
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom):
+                base = pkg[: len(pkg) - (node.level - 1)] if node.level else []
+                found.add(".".join([*base, *([node.module] if node.module else [])]))
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        out[str(f.relative_to(ROOT))] = found
+    return out
+
+
+def test_conftest_files_are_imported_by_no_one_and_benchmarks_use_only_test_helpers():
+    """conftest files hold fixtures and hooks, which pytest finds itself; what tests share is a
+    helpers module. The benchmarks' way into the tests is the declared helper modules."""
+    bad = [
+        f"{f} imports {m}"
+        for folder in ("tests", "benchmarks")
+        for f, mods in _imports_from(folder).items()
+        for m in mods
+        if m.split(".")[-1] == "conftest"
+    ]
+    bad += [
+        f"{f} imports {m}"
+        for f, mods in _imports_from("benchmarks").items()
+        for m in mods
+        if m.split(".")[0] == "tests" and m not in BENCHMARKS_MAY_IMPORT
+    ]
+    assert not bad, bad
+    # (the check sees imports: the tests do import their helpers)
+    assert any("tests.service.helpers" in m for m in _imports_from("tests").values())
+
+
+def test_the_service_tests_mirror_its_folders():
+    """Each folder of service/ has its tests in tests/service/<folder>/ (where a newcomer looks)."""
+    folders = {p.name for p in (ROOT / "service").iterdir() if p.is_dir() and p.name[0] != "_"}
+    tests = {p.name for p in (ROOT / "tests" / "service").iterdir() if p.is_dir()}
+    assert folders <= tests, folders - tests

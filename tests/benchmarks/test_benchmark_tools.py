@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.service.conftest import free_port
+from tests.service.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

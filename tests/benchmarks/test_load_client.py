@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from benchmarks.service_load import open_loop, request_bytes
-from tests.service.conftest import free_port
+from tests.service.helpers import free_port
 
 APP = """
 import asyncio

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from experiments.reproduce import BEGIN, END, GROUPS, grid, write_report
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 
 @pytest.mark.slow

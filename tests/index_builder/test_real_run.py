@@ -9,7 +9,7 @@ from embedding.datasets import load_raw
 from embedding.gallery import label_counts, open_store
 from embedding.index import STORE_FILE, open_index_dir
 from embedding.transforms import eval_transform
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from .conftest import Server
+from .helpers import Server
 
 FAST = {"SNCA_FUSED_BATCHES": "0", "SNCA_MAX_BATCH": "8", "SNCA_WARMUP_SECONDS": "0"}
 # servers: a short model timeout (a stopped model process is given up on quickly), writes

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import free_port
+from .helpers import free_port
 
 
 def pg_bin() -> Path:

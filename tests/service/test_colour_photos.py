@@ -20,9 +20,9 @@ import torchvision
 from PIL import Image
 
 from service.model.engines import ENGINES
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
-from .conftest import Server
+from .helpers import Server
 from .photos import CUP_BOX, crops, photo
 
 CLASSES = {"cat": ("chelsea", None), "cup": ("coffee", CUP_BOX), "rocket": ("rocket", None)}

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import Server, of_class, png
+from .helpers import Server, of_class, png
 
 
 def _add(c, label, image, n=1):

@@ -17,8 +17,7 @@ import pytest
 
 from service.store import backup
 
-from .conftest import replaced_model
-from .helpers import Backend
+from .helpers import Backend, replaced_model
 from .history import (
     Client,
     Cluster,

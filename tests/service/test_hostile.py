@@ -9,7 +9,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from .conftest import Server, of_class
+from .helpers import Server, of_class
 from .hostile_images import corpus, exif_rotated_jpeg
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import Server, of_class, png
+from .helpers import Server, of_class, png
 
 
 def test_cli_refuses_bad_config_clearly(tmp_path):

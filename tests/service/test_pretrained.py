@@ -18,10 +18,9 @@ import pytest
 from PIL import Image
 
 from embedding.datasets import load_raw
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
-from .conftest import Server
-from .helpers import Backend
+from .helpers import Backend, Server
 from .photos import CUP_BOX, crops, photo, png_bytes
 
 OBJECTS = {

@@ -13,7 +13,7 @@ import yaml
 
 from service.tools.examples import write_examples, write_photo_examples
 
-from .conftest import Server
+from .helpers import Server
 
 ROOT = Path(__file__).resolve().parents[2]
 

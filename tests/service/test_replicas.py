@@ -19,8 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import Server, free_port, of_class, png
-from .helpers import Backend
+from .helpers import Backend, Server, free_port, of_class, png
 
 SECONDS = float(os.environ.get("SNCA_REPLICA_SECONDS", "6"))
 H = "X-Min-Gallery-Version"

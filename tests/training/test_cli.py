@@ -3,7 +3,7 @@
 import numpy as np
 from PIL import Image
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 TINY = [
     "--subset",

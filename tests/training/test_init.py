@@ -14,7 +14,7 @@ from torch import nn
 
 from embedding import EmbeddingNet, ModelConfig, save_model
 from embedding.errors import SNCAError
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 from training.init import initialise
 
 X = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from embedding import EmbeddingNet, load_memory_bank, load_model
 from embedding.knn import knn_evaluate
 from embedding.rundir import RunDir
-from tests.conftest import SHORT, run_cli
+from tests.helpers import SHORT, run_cli
 from training.config import TrainConfig
 from training.datasets import build_data, embed_split
 

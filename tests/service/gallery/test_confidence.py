@@ -12,8 +12,7 @@ import torch
 
 from service.gallery.verdict import confidence, unknown_reason
 
-from ..conftest import of_class, png
-from ..helpers import make_client
+from ..helpers import make_client, of_class, png
 
 BASE = (1, 5, 7, 8, 9)  # the base model's classes
 NEW = 0  # T-shirt/top: registered at run time from five images

@@ -14,7 +14,7 @@ from embedding import openset
 from service.config import Settings
 from service.startup import ServiceHost
 
-from ..conftest import Server, of_class, png
+from ..helpers import Server, of_class, png
 
 BASE = (1, 5, 7, 8, 9)
 TSHIRT = 0  # not trained on: the new kind of image

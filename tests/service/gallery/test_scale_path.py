@@ -8,9 +8,9 @@ import json
 import httpx
 import numpy as np
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
-from ..conftest import Server, of_class, png
+from ..helpers import Server, of_class, png
 
 
 def _classify(c, img, **params):

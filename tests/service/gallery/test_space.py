@@ -6,9 +6,9 @@ import json
 import httpx
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
-from ..conftest import Server, of_class, png
+from ..helpers import Server, of_class, png
 
 
 @pytest.fixture(scope="module")

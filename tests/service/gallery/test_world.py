@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
-from ..conftest import of_class, png
-from ..helpers import make_client
+from ..helpers import make_client, of_class, png
 from ..photos import CUP_BOX, crops, photo, png_bytes, unrelated
 
 

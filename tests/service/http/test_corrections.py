@@ -7,8 +7,7 @@ kill -9 and replicas: the history checker, tests/service/test_history.py.)"""
 
 import numpy as np
 
-from ..conftest import of_class, png
-from ..helpers import img, make_client
+from ..helpers import img, make_client, of_class, png
 
 TPR = 0.95
 

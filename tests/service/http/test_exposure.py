@@ -14,10 +14,9 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
-from ..conftest import Server, of_class, png
-from ..helpers import make_client
+from ..helpers import Server, make_client, of_class, png
 
 KEY = "exposed-key"
 SECRETS = ("s3cret-pw-123", "s3cret-ssl-456")

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ..conftest import Server
+from ..helpers import Server
 
 HERE = Path(__file__).resolve().parent
 MAX_EXAMPLES = int(os.environ.get("SNCA_FUZZ_EXAMPLES", "50"))

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from ..conftest import Server, of_class, png
+from ..helpers import Server, of_class, png
 
 PROBLEM = "application/problem+json"
 

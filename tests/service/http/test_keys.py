@@ -15,7 +15,7 @@ from service.config import Settings
 from service.http.app import create_app
 from service.http.deps import ACCESS_KEY
 from service.http.keys import RECHECK_S, KeyRing, parse_entries
-from tests.service.conftest import png
+from tests.service.helpers import png
 
 READ, WRITE, OLD = "dash-read-7f3c2a", "ops-write-91ab4d", "plain-old-key-55"
 

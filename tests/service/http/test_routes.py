@@ -10,8 +10,7 @@ import pytest
 from service.config import Settings
 from service.http.schemas import BatchResult, ClassifyResult
 
-from ..conftest import of_class, png
-from ..helpers import img, make_client
+from ..helpers import img, make_client, of_class, png
 
 
 @pytest.fixture()
@@ -161,7 +160,7 @@ def test_add_new_label_then_classify_search_delete(client, fmnist_test, fmnist_t
 
 def test_delete_trained_items_and_hnsw_tombstones(base_run, tmp_path, fmnist_test):
     """Flat removes ids from FAISS; HNSW cannot and filters them at search time."""
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     p = run_cli(
         "index_builder",

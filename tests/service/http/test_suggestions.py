@@ -4,8 +4,7 @@ the queued queries of that class come first; items filed under a wrong label are
 their true label; each suggestion says which of the label's items it sits nearest; accepting
 them is one write."""
 
-from ..conftest import of_class, png
-from ..helpers import img, make_client
+from ..helpers import img, make_client, of_class, png
 
 
 def test_suggestions_find_a_new_labels_queries_and_misfiled_items(

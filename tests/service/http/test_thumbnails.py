@@ -12,10 +12,9 @@ from PIL import Image
 
 from embedding.gallery import STORE_SCHEMA_VERSION
 from embedding.index import STORE_FILE
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
-from ..conftest import of_class, png
-from ..helpers import img, make_client
+from ..helpers import img, make_client, of_class, png
 
 
 @pytest.fixture(scope="module")

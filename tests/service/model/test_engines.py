@@ -16,8 +16,7 @@ from service.model.accel import differs
 from service.model.embedder import Embedder
 from service.model.runtime import ModelRuntime
 
-from ..conftest import of_class
-from ..helpers import img, make_client
+from ..helpers import img, make_client, of_class
 from .nets import net_with_statistics
 
 

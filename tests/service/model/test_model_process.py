@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from service.model.engines import ENGINES
-from tests.service.conftest import Server, of_class, png
+from tests.service.helpers import Server, of_class, png
 
 H = "X-Min-Gallery-Version"
 

@@ -24,8 +24,7 @@ from service.store import sql
 from service.store.backup import gallery_checksum, restore, verify
 from service.store.registry import backend_class
 
-from ..conftest import png, replaced_model
-from ..helpers import Backend
+from ..helpers import Backend, png, replaced_model
 
 FAST = {"SNCA_FUSED_BATCHES": "0", "SNCA_MAX_BATCH": "8"}
 FAST_ENV = {**FAST, "SNCA_WARMUP_SECONDS": "0"}

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from embedding.rundir import RunDir
-from tests.conftest import BASE, run_cli
+from tests.helpers import BASE, run_cli
 
-from ..conftest import Server, of_class, png, replaced_model
+from ..helpers import Server, of_class, png, replaced_model
 
 
 def _labels(url: str) -> dict[str, int]:

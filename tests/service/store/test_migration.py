@@ -20,8 +20,8 @@ from service.store import migration
 from service.store.datadir import DataDir
 from service.store.migration import Migration
 
-from ..conftest import of_class, png, replaced_model
 from ..helpers import make_client as _make_client
+from ..helpers import of_class, png, replaced_model
 
 
 def make_client(run, data_dir, **kw):
@@ -307,7 +307,7 @@ def test_a_rolling_upgrade_loses_no_acknowledged_add(base_run, new_model, tmp_pa
     A reports not ready and lets go of the file), then swaps. Every add A acknowledged is in
     B's gallery. (B used to fail its swap with "database is locked" and exit; restarted, it
     swapped in its stale copy.)"""
-    from ..conftest import Server
+    from ..helpers import Server
 
     data = tmp_path / "data"
     a = Server(base_run, data, {"SNCA_FUSED_BATCHES": "0"})
@@ -379,7 +379,7 @@ def test_two_new_models_starting_together_carry_the_gallery_once(
     import subprocess
     import sys
 
-    from ..conftest import free_port
+    from ..helpers import free_port
 
     data = tmp_path / "data"
     with make_client(base_run, data) as c:

@@ -10,9 +10,9 @@ import time
 import httpx
 import numpy as np
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
-from ..conftest import Server, label_counts, of_class, png
+from ..helpers import Server, label_counts, of_class, png
 
 
 def gallery(run, data, command, *args):

@@ -4,10 +4,9 @@ import json
 
 import httpx
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
-from ..conftest import Server, of_class, png
-from ..helpers import make_client
+from ..helpers import Server, make_client, of_class, png
 
 
 def test_migrate_added_labels_to_a_running_service(base_run, tmp_path, fmnist_test):

@@ -17,8 +17,7 @@ import pytest
 
 from service.tools.learn import decide
 
-from ..conftest import of_class, png
-from ..helpers import Backend
+from ..helpers import Backend, of_class, png
 
 NEW = (("top", 0), ("pullover", 2))  # (label, Fashion-MNIST class): none of them trained
 

@@ -7,9 +7,9 @@ import time
 
 import httpx
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
-from ..conftest import Server, label_counts, of_class, png
+from ..helpers import Server, label_counts, of_class, png
 
 
 def gallery(run, data, command, *args):

@@ -8,8 +8,7 @@ replica: the history checker, tests/service/test_history.py.)"""
 
 from collections import Counter
 
-from ..conftest import of_class, png
-from ..helpers import img, make_client
+from ..helpers import img, make_client, of_class, png
 
 NOVEL = {5: "Sandal", 8: "Bag"}
 

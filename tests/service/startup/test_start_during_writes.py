@@ -17,8 +17,7 @@ import pytest
 
 from service.store.registry import open_as_found
 
-from .conftest import of_class, png
-from .helpers import make_client
+from ..helpers import make_client, of_class, png
 
 
 def _store_of(client):
