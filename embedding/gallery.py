@@ -25,7 +25,7 @@ STORE_SCHEMA_VERSION = 7
 # tombstones and requests, 6 the tables label_changes and review: read as is, upgraded by
 # `migrate_store`.
 READABLE_SCHEMAS = ("1", "2", "3", "4", "5", "6", "7")
-SOURCES = ("trained", "added")
+ITEM_SOURCES = ("trained", "added")
 # meta key: a store's own identity, random, given when a store is made from an index's seed (a
 # copy restored from a backup keeps it); two galleries of one model made at different times
 # differ in it (a carry's state names the store it follows)

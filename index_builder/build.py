@@ -38,7 +38,7 @@ from embedding.progress import Progress, track
 from embedding.rundir import RunDir
 from embedding.world import WORLD_FILE
 
-SOURCES = ("memory", "recompute")
+EMBEDDING_SOURCES = ("memory", "recompute")
 DEVICES = ("auto", "cpu", "cuda")
 NORM_TOLERANCE = 1e-3
 DEFAULT_EF_SEARCH = 128
@@ -599,8 +599,10 @@ def build(cfg: BuildConfig, log=_say) -> IndexManifest:
     import faiss
 
     t_start = time.perf_counter()
-    if cfg.source not in SOURCES:
-        raise SNCAError(f"unknown source {cfg.source!r} (choose from {', '.join(SOURCES)})")
+    if cfg.source not in EMBEDDING_SOURCES:
+        raise SNCAError(
+            f"unknown source {cfg.source!r} (choose from {', '.join(EMBEDDING_SOURCES)})"
+        )
     if cfg.space not in SPACES:
         raise SNCAError(f"unknown space {cfg.space!r} (choose from {', '.join(SPACES)})")
     if cfg.space != "embedding" and cfg.source == "memory":

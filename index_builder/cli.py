@@ -18,7 +18,7 @@ from embedding.errors import SNCAError
 from embedding.model import SPACES
 from embedding.sysalloc import keep_freed_memory
 
-from .build import DEVICES, SOURCES, BuildConfig, build, current_build, gallery_trained
+from .build import DEVICES, EMBEDDING_SOURCES, BuildConfig, build, current_build, gallery_trained
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="index dir to write (default: RUN_DIR/index)")
     p.add_argument(
         "--source",
-        choices=SOURCES,
+        choices=EMBEDDING_SOURCES,
         help="recompute (default): re-embed the training images with the final model and the "
         "eval transform, as queries and added images are embedded; memory: the final memory "
         "bank rows (the paper's protocol: cheaper, but they lag the final model, so added "

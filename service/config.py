@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from embedding.votes import VOTES
 from service.store.datadir import STORE_FILE, default_data_dir
-from service.store.postgres import is_postgres_url
+from service.store.url import is_postgres_url
 
 
 class Settings(BaseSettings):
@@ -412,6 +412,11 @@ class Settings(BaseSettings):
         """The gallery's store as the store layer opens it: the PostgreSQL URL, or the SQLite
         file's path (the home every start-up, carry and tool reads and writes)."""
         return self.store_url or str(self.store_path)
+
+    def mark_store_given(self, given: bool) -> None:
+        """Whether the store was named (a model process is handed the front's settings, where
+        the store is always named: it is told whether the front's was)."""
+        self._store_given = given
 
     @property
     def store_is_default(self) -> bool:

@@ -32,7 +32,7 @@ class Unlearned:
         at = self._at
         if at is not None and (at[0] == version or now - at[2] < min(self.every_s, 20 * at[3])):
             return at[1], at[0]
-        rows = store._select(
+        rows = store.select(
             "SELECT id, label, source, metadata, add_seq FROM items WHERE deleted_seq IS NULL"
         )
         n = sum(1 for r in rows if not self._knows(*r))

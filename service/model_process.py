@@ -208,7 +208,7 @@ def main() -> int:
     sock.setblocking(True)
     default_store = given.pop("store_is_default", False)
     settings = Settings.model_validate(given)
-    settings._store_given = not default_store
+    settings.mark_store_given(not default_store)
     settings.snapshot_every = 0  # the front writes the snapshots; this replica only reads
     watch_parent()
     setup_logging(settings.log_level)

@@ -3,7 +3,7 @@ a vote would most likely give to it, ranked, each with its score and its reason 
 item it sits nearest) — "I assigned 5 photos, how does it find the other 95?".
 
 Candidates: the index's nearest items of each of the label's items (a sample of at most
-`SOURCES` of them), and every queued query handed in. Each is voted on at gallery scale
+`SEARCHED_ITEMS` of them), and every queued query handed in. Each is voted on at gallery scale
 (embedding.votes: the index's top-K' candidates and the exact label statistics), an item of
 the gallery without itself among its candidates (a leave-one-out vote; its label's statistics
 still count it, one item among the label's). The score is the label's probability minus the
@@ -23,7 +23,7 @@ import torch
 
 from embedding.votes import Candidates
 
-SOURCES = 200  # the label's items whose neighbourhoods are searched (a sample beyond)
+SEARCHED_ITEMS = 200  # the label's items whose neighbourhoods are searched (a sample beyond)
 PER_SOURCE = 64  # nearest items taken from each
 MAX_CANDIDATES = 5000  # gallery items voted on at most (the nearest to the label first)
 
@@ -53,7 +53,7 @@ def suggest(
             return None
         own = gallery.rows.ids_with(np.array([c]))
         rng = np.random.default_rng(0)
-        src = own if len(own) <= SOURCES else rng.choice(own, SOURCES, replace=False)
+        src = own if len(own) <= SEARCHED_ITEMS else rng.choice(own, SEARCHED_ITEMS, replace=False)
         src_emb = _vectors(gallery, src)
         # the gallery's candidates: the nearest items of the label's items, not of the label
         sims, ids = gallery.vectors.search(src_emb, min(PER_SOURCE + 1, gallery.size()))

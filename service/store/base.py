@@ -80,30 +80,31 @@ class Store(ABC):
 
     # ------------------------------------------------------------------ reads
     @abstractmethod
-    def _select(self, query: str, params: tuple | list = ()) -> list[tuple]:
+    def select(self, query: str, params: tuple | list = ()) -> list[tuple]:
         """A read on the store's own connection (its lock held): the rows; StoreUnavailable
-        when the store cannot be read, StoreCarriedAway once it was carried away."""
+        when the store cannot be read, StoreCarriedAway once it was carried away. (Public: the
+        carry, the galleries' registry and the tools read with it.)"""
 
     def meta(self) -> dict[str, str]:
-        return dict(self._select(sql.META))
+        return dict(self.select(sql.META))
 
     def last_seq(self) -> int:
         return int(self.meta()["last_seq"])
 
     def log_token(self, seq: int) -> str | None:
         """The token of write `seq` (None: no such log row, or written before tokens)."""
-        rows = self._select(self.dialect.q(sql.LOG_TOKEN), (int(seq),))
+        rows = self.select(self.dialect.q(sql.LOG_TOKEN), (int(seq),))
         return rows[0][0] if rows else None
 
     def live_items(self, after_seq: int = -1, upto: int | None = None) -> list[Item]:
         """Live items added by a write after `after_seq` (-1: all) and not after `upto`, in id
         order."""
         upto = upto if upto is not None else 2**62
-        return live_items(self._select(self.dialect.q(sql.LIVE_ITEMS), (after_seq, upto)))
+        return live_items(self.select(self.dialect.q(sql.LIVE_ITEMS), (after_seq, upto)))
 
     def deleted_after(self, seq: int) -> list[tuple[int, str, np.ndarray, int]]:
         """(id, label, embedding, add_seq) of items deleted by a write after `seq`."""
-        rows = self._select(self.dialect.q(sql.DELETED_AFTER), (seq,))
+        rows = self.select(self.dialect.q(sql.DELETED_AFTER), (seq,))
         return [(r[0], r[1], vec(r[2]), r[3]) for r in rows]
 
     def _rows_of_ids(self, template: str, ids: list[int]) -> list[tuple]:
@@ -111,7 +112,7 @@ class Store(ABC):
         out = []
         for s in range(0, len(ids), sql.CHUNK):
             chunk = [int(i) for i in ids[s : s + sql.CHUNK]]
-            out += self._select(sql.ids_in(self.dialect, template, chunk), chunk)
+            out += self.select(sql.ids_in(self.dialect, template, chunk), chunk)
         return out
 
     def items(self, ids: list[int]) -> dict[int, tuple[str, str, dict | None, bool]]:
@@ -127,7 +128,7 @@ class Store(ABC):
         params = [int(after_id), *([label] if label is not None else [])]
         params += [int(item_id)] if item_id is not None else []
         q = sql.item_rows_query(self.dialect, label, item_id)
-        return item_rows(self._select(q, (*params, limit)))
+        return item_rows(self.select(q, (*params, limit)))
 
     def with_thumbnails(self, ids: list[int]) -> set[int]:
         """The live items among `ids` (at most a few hundred) that have a thumbnail."""
@@ -135,13 +136,13 @@ class Store(ABC):
 
     def thumbnail(self, item_id: int) -> bytes | None:
         """The thumbnail of a live item, or None (no such item, deleted, or none kept)."""
-        rows = self._select(self.dialect.q(sql.THUMBNAIL), (int(item_id),))
+        rows = self.select(self.dialect.q(sql.THUMBNAIL), (int(item_id),))
         return None if not rows or rows[0][0] is None else bytes(rows[0][0])
 
     def added_items(self, after_id: int, limit: int) -> list[StoredItem]:
         """Live items added through the service with id > `after_id`, in id order, every
         column (a migration or an export reads the store this way, `limit` at a time)."""
-        return stored_items(self._select(self.dialect.q(sql.ADDED_ITEMS), (after_id, limit)))
+        return stored_items(self.select(self.dialect.q(sql.ADDED_ITEMS), (after_id, limit)))
 
     @abstractmethod
     def reader(self) -> StoreReader:
@@ -218,7 +219,7 @@ class Store(ABC):
 
     def request(self, key: str) -> tuple[str, int, dict] | None:
         """(digest, seq, outcome) of the write made under Idempotency-Key `key`, or None."""
-        rows = self._select(self.dialect.q(sql.REQUEST), (key,))
+        rows = self.select(self.dialect.q(sql.REQUEST), (key,))
         return None if not rows else (rows[0][0], int(rows[0][1]), json.loads(rows[0][2]))
 
     def _keyed(self, conn, keyed: Keyed | None, seq: int, outcome: dict) -> None:
@@ -460,19 +461,19 @@ class Store(ABC):
 
     def queued(self, limit: int) -> list[Queued]:
         """The newest `limit` rows of the review queue (without thumbnails and images)."""
-        return [_queued(r) for r in self._select(self.dialect.q(sql.REVIEW_ROWS), (int(limit),))]
+        return [_queued(r) for r in self.select(self.dialect.q(sql.REVIEW_ROWS), (int(limit),))]
 
     def queued_items(self, ids: list[int]) -> list[Queued]:
         """The queue's rows among `ids`, every column."""
         return [_queued(r) for r in self._rows_of_ids(sql.REVIEW_OF_IDS, ids)]
 
     def queued_thumbnail(self, item_id: int) -> bytes | None:
-        rows = self._select(self.dialect.q(sql.REVIEW_THUMBNAIL), (int(item_id),))
+        rows = self.select(self.dialect.q(sql.REVIEW_THUMBNAIL), (int(item_id),))
         return None if not rows or rows[0][0] is None else bytes(rows[0][0])
 
     def queue_totals(self) -> tuple[int, int]:
         """(rows, bytes) of the review queue."""
-        n, b = self._select(sql.REVIEW_TOTALS)[0]
+        n, b = self.select(sql.REVIEW_TOTALS)[0]
         return int(n), int(b)
 
     def dismiss(self, ids: list[int]) -> int:

@@ -179,7 +179,7 @@ class Carry:
 
     # ------------------------------------------------------------------ state
     def state(self) -> CarryState | None:
-        rows = self.target.store._select(
+        rows = self.target.store.select(
             self.target.store.dialect.q(sql.META_KEY), (state_key(self.source.gen),)
         )
         return CarryState.decode(rows[0][0]) if rows else None
@@ -244,9 +244,9 @@ class Carry:
         if not renumber:
             next_id = max(int(src.meta()["next_id"]), next_id)
         gone = [] if renumber else self._gone_from_source()
-        tombs = self._tombstones(src._select)
-        moves = self._trained_moves(src._select(sql.RELABELLED_TRAINED))
-        requests = [] if renumber else src._select(src.dialect.q(REQUESTS_UPTO), (seq,))
+        tombs = self._tombstones(src.select)
+        moves = self._trained_moves(src.select(sql.RELABELLED_TRAINED))
+        requests = [] if renumber else src.select(src.dialect.q(REQUESTS_UPTO), (seq,))
         st = CarryState(
             source_seq=seq,
             source_store=here,
@@ -274,7 +274,7 @@ class Carry:
         target's trained ids reach the first added id); refused when needed and not allowed."""
         src, tgt = self.source.store, self.target.store
         first = src.added_items(-1, 1)
-        top = tgt._select("SELECT MAX(id) FROM items WHERE source = 'trained'")[0][0]
+        top = tgt.select("SELECT MAX(id) FROM items WHERE source = 'trained'")[0][0]
         clash = bool(first) and top is not None and first[0].id <= int(top)
         if clash and self.renumber != "auto":
             raise ArtifactError(
@@ -288,10 +288,10 @@ class Carry:
         """Live added items of the target that the source no longer holds: deleted there, or
         gone from it (compacted after their delete) while they had an image to carry them by
         (an item with no stored image is never carried, so its absence proves nothing)."""
-        read = read or self.source.store._select
+        read = read or self.source.store.select
         src_rows = {r[0]: r[1] for r in read(ADDED_ROWS)}  # id -> deleted_seq
         gone = []
-        for item_id, deleted_seq, has_image in self.target.store._select(ADDED_ROWS):
+        for item_id, deleted_seq, has_image in self.target.store.select(ADDED_ROWS):
             if deleted_seq is not None:
                 continue
             if item_id in src_rows:
@@ -370,7 +370,7 @@ class Carry:
         nothing live to delete)."""
         if self._trained is None:
             self._trained = {}
-            for tid, md in self.target.store._select(sql.LIVE_TRAINED):
+            for tid, md in self.target.store.select(sql.LIVE_TRAINED):
                 k = _dataset_key(md)
                 if k is not None:
                     self._trained[k] = tid
@@ -395,7 +395,7 @@ class Carry:
         if not self._renumbered():
             return {i: i for i in tgt.existing(ids)}
         rows = _rows_of_ids(
-            tgt._select,
+            tgt.select,
             tgt.dialect,
             "SELECT old_id, new_id FROM carried WHERE old_id IN ({ids})",
             ids,
@@ -509,15 +509,15 @@ class Carry:
         """The bulk copy, resumed after the last batch committed."""
         src = self.source.store
         live = "SELECT COUNT(*) FROM items WHERE source = 'added' AND deleted_seq IS NULL"
-        total = src._select(live)[0][0]
-        done = src._select(src.dialect.q(live + " AND id <= {p}"), (int(st.after_id),))[0][0]
+        total = src.select(live)[0][0]
+        done = src.select(src.dialect.q(live + " AND id <= {p}"), (int(st.after_id),))[0][0]
         self.progress(done, total)
         while not st.backfilled:
             items = src.added_items(int(st.after_id), self.batch)
             if not items:
                 st.backfilled = True
                 if self._renumbered():  # (the records from before begin, once their ids are)
-                    reqs = src._select(src.dialect.q(REQUESTS_UPTO), (int(st.source_seq),))
+                    reqs = src.select(src.dialect.q(REQUESTS_UPTO), (int(st.source_seq),))
                     self._write(
                         lambda conn, seq, reqs=reqs: (
                             self._copy_requests(conn, reqs, seq),
@@ -584,7 +584,7 @@ class Carry:
         """Apply the source's writes after st.source_seq; how many there were. `read`: the
         source's connection inside its write transaction (the seal), else its own reads."""
         src = self.source.store
-        read = read or src._select
+        read = read or src.select
         d = src.dialect
         after = int(st.source_seq)
         self._load_trained()
@@ -669,7 +669,7 @@ class Carry:
         gone = [] if self._renumbered() else self._gone_from_source(read)
         if self._renumbered():  # (ids differ: compare through the carried table)
             live = {r[0] for r in read(sql.LIVE_ADDED_IDS)}
-            mapped = self._new_ids([r[0] for r in tgt._select("SELECT old_id FROM carried")])
+            mapped = self._new_ids([r[0] for r in tgt.select("SELECT old_id FROM carried")])
             gone = [new for old, new in mapped.items() if old not in live]
         tombs = self._tombstones(read)
         moves = self._trained_moves(read(sql.RELABELLED_TRAINED))

@@ -46,7 +46,7 @@ def alias_key(name: str = ALIAS) -> str:
 def registry(home: Store) -> dict[str, dict]:
     """gen -> the registered gallery (model_fingerprint, index_id, model_dir, index_dir,
     created_at), from the home store's meta."""
-    rows = home._select(
+    rows = home.select(
         home.dialect.q("SELECT key, value FROM meta WHERE key LIKE {p}"), ("gallery:%",)
     )
     return {k.split(":", 1)[1]: json.loads(v) for k, v in rows}
@@ -55,7 +55,7 @@ def registry(home: Store) -> dict[str, dict]:
 def alias(home: Store, name: str = ALIAS) -> dict | None:
     """The alias `name` ({gen, previous, epoch, switched_at}) or None (never switched: the home
     gallery is live, epoch 0)."""
-    rows = home._select(home.dialect.q(sql.META_KEY), (alias_key(name),))
+    rows = home.select(home.dialect.q(sql.META_KEY), (alias_key(name),))
     return json.loads(rows[0][0]) if rows else None
 
 

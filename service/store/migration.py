@@ -51,7 +51,7 @@ from embedding.artifacts import fsync_dir
 from embedding.errors import ArtifactError
 from embedding.gallery import open_store, read_meta, utc_now
 from service.store import sql
-from service.store.carry import Carry, Embed, Side, state_key
+from service.store.carry import Carry, CarryState, Embed, Side, state_key
 from service.store.datadir import DataDir
 from service.store.galleries import gen_of
 from service.store.records import CARRIED_TO, STANDBY
@@ -388,7 +388,7 @@ class Migration:
         new.plain(setup)
         return new
 
-    def _report(self, new: SqliteStore, st: dict) -> Report:
+    def _report(self, new: SqliteStore, st: CarryState) -> Report:
         meta = new.meta()
         added = new.select(
             "SELECT COUNT(*) FROM items WHERE source = 'added' AND deleted_seq IS NULL"
@@ -406,7 +406,7 @@ class Migration:
         )
 
     def _finish(
-        self, new: SqliteStore, carry: Carry, report: Report, st: dict, old_meta: dict
+        self, new: SqliteStore, carry: Carry, report: Report, st: CarryState, old_meta: dict
     ) -> None:
         """The new store's last write before the seal: what was carried (the report,
         re-counted: the seal's follow may have carried more). Its carry state stays until the

@@ -47,6 +47,7 @@ from embedding.gallery import (
 from service.store import base, records, sql
 from service.store.base import Store, StoreReader
 from service.store.records import ChangeSet
+from service.store.url import is_postgres_url
 
 D = sql.POSTGRES
 
@@ -57,10 +58,6 @@ SEED_LOCK = 0x736E6361  # pg_advisory_xact_lock key ("snca")
 CARRY_LOCK = 0x736E6363  # pg_advisory_lock key of carries and switches ("sncc")
 TURNS_LOCK = 0x736E6374  # pg_advisory_xact_lock(key, what) of Store._take_turns ("snct")
 CONNECT_TIMEOUT_S = 3
-
-
-def is_postgres_url(s: str | Path | None) -> bool:
-    return s is not None and str(s).startswith(("postgresql://", "postgres://"))
 
 
 def _secret(name: str) -> bool:
@@ -458,7 +455,7 @@ class PostgresStore(Store):
 
         self._run(fn)
 
-    def _select(self, query: str, params: tuple | list = ()) -> list[tuple]:
+    def select(self, query: str, params: tuple | list = ()) -> list[tuple]:
         return self._run(lambda c: c.execute(query, params).fetchall())
 
     def retire(self, why: str) -> None:  # pragma: no cover - no migration on PostgreSQL yet

@@ -495,16 +495,13 @@ class SqliteStore(Store):
             out[(m.get("dataset"), m.get("dataset_index"))] = item_id
         return out
 
-    def _select(self, query: str, params: tuple | list = ()) -> list[tuple]:
+    def select(self, query: str, params: tuple | list = ()) -> list[tuple]:
         # (a read marks the -shm mapping too: made unwritable under the process, that is a
         # SIGBUS; /readyz's count of unlearned items died of it: fresh-clone CI of b4cff0d)
         self._check_readable()
         with self._lock:
             self._check_retired()
             return self.conn.execute(query, params).fetchall()
-
-    # a read-only query on the store's connection (a migration reads its own tables with it)
-    select = _select
 
     def integrity_check(self) -> str:
         with self._lock:

@@ -213,7 +213,7 @@ def carry_into(
     return carry, st
 
 
-def switch(g: Galleries, carry: Carry, st: dict, say: Callable[[str], None] = print) -> dict:
+def switch(g: Galleries, carry: Carry, st: CarryState, say: Callable[[str], None] = print) -> dict:
     """Make the carry's target the live gallery (see the module docstring); the alias."""
     src, tgt = carry.source, carry.target
     live, epoch = g.live()

@@ -257,7 +257,7 @@ def _bar(args: dict):
 
 
 # ---------------------------------------------------------------------------- backups
-def _gallery_for(args: dict, settings) -> tuple[str, str]:
+def gallery_for(args: dict, settings) -> tuple[str, str]:
     """(store target, gen) of the gallery a command works on: --gallery GEN, else the live one."""
     from service.store.galleries import live_gen
 
@@ -274,7 +274,7 @@ def backup(args: dict, say=print) -> int:
     from service.store.registry import backend_class
 
     settings = settings_of(args)
-    target, gen = _gallery_for(args, settings)
+    target, gen = gallery_for(args, settings)
     m = b.backup(backend_class(target), target, _shown(target), Path(args["out"]), say)
     say(
         f"backup of {gen} in {args['out']}: {m['items']} items ({m['added']} added) at write "
@@ -338,7 +338,7 @@ def compact(args: dict, say=print) -> int:
     from service.store.registry import open_as_found
 
     settings = settings_of(args)
-    target, gen = _gallery_for(args, settings)
+    target, gen = gallery_for(args, settings)
     store = open_as_found(target)
     try:
         last = store.last_seq()

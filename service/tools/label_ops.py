@@ -17,7 +17,7 @@ from pathlib import Path
 
 from embedding.errors import SNCAError
 from service.gallery.labels import LabelInvalid, check_label, normalize_label
-from service.tools.gallery_ops import _gallery_for, settings_of
+from service.tools.gallery_ops import gallery_for, settings_of
 
 MAX_IDS = 1000  # ids per write (as POST /gallery/relabel)
 MAX_ROWS = 1_000_000  # rows of one accept file
@@ -55,7 +55,7 @@ def add_parsers(sub, shared) -> None:
 def _open(args: dict):
     from service.store.registry import open_as_found
 
-    target, gen = _gallery_for(args, settings_of(args))
+    target, gen = gallery_for(args, settings_of(args))
     return open_as_found(target), gen
 
 

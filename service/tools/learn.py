@@ -189,7 +189,7 @@ def _gallery_size(settings) -> tuple[int, int]:
     """(gallery version, live items) of the live gallery."""
     s = _live_store(settings)
     try:
-        n = s._select("SELECT COUNT(*) FROM items WHERE deleted_seq IS NULL")[0][0]
+        n = s.select("SELECT COUNT(*) FROM items WHERE deleted_seq IS NULL")[0][0]
         return s.last_seq(), int(n)
     finally:
         s.close()

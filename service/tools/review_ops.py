@@ -20,7 +20,7 @@ import numpy as np
 from embedding.errors import SNCAError
 from service.gallery.labels import LabelInvalid, check_label
 from service.review import groups as grouping
-from service.tools.gallery_ops import _gallery_for, settings_of
+from service.tools.gallery_ops import gallery_for, settings_of
 
 COLUMNS = (
     "queued_id", "group", "group_size", "label", "nearest_label", "answer", "margin",
@@ -61,7 +61,7 @@ def add_parsers(sub, shared) -> None:
 def _open(args: dict):
     from service.store.registry import open_as_found
 
-    target, gen = _gallery_for(args, settings_of(args))
+    target, gen = gallery_for(args, settings_of(args))
     return open_as_found(target), gen
 
 

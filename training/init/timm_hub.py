@@ -24,7 +24,7 @@ from .download import fetch, offline
 HF_FILES = ("model.safetensors", "pytorch_model.bin")  # what timm's Hugging Face repos hold
 
 
-def _timm(spec: str = "timm:...", extra: str = "timm"):
+def timm_module(spec: str = "timm:...", extra: str = "timm"):
     """The timm module, or an error naming the --init source and the extra that installs it."""
     try:
         import timm
@@ -90,7 +90,7 @@ def preprocessing_of(net) -> dict:
     """A timm model's pretrained preprocessing as timm's resolve_data_config gives it (mean,
     std, image_size, in_channels, interpolation, crop_pct): what a run starting from its
     weights must feed it."""
-    data = _timm().data.resolve_data_config({}, model=net)
+    data = timm_module().data.resolve_data_config({}, model=net)
     return {
         "mean": [float(m) for m in data["mean"]],
         "std": [float(s) for s in data["std"]],
@@ -133,7 +133,7 @@ class TimmWeights:
 
     @staticmethod
     def load(spec: str) -> Loaded:
-        timm = _timm(spec)
+        timm = timm_module(spec)
         name, _, file = spec.removeprefix(TIMM_PREFIX).partition(":")
         try:
             bare = timm.create_model(name, pretrained=False, num_classes=0)

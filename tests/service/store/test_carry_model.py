@@ -204,7 +204,7 @@ def make_machine(kind: str, pg=None):
                     return
                 trained = [
                     r[0]
-                    for r in s._select(
+                    for r in s.select(
                         "SELECT id FROM items WHERE source = 'trained' AND deleted_seq IS NULL"
                     )
                 ]
@@ -224,7 +224,7 @@ def make_machine(kind: str, pg=None):
                         self.live_added.pop(item_id, None)
                         self.dead.add(item_id)
                     else:
-                        md = s._select(
+                        md = s.select(
                             s.dialect.q("SELECT metadata FROM items WHERE id = {p}"), (item_id,)
                         )
                         import json
@@ -445,7 +445,7 @@ def make_machine(kind: str, pg=None):
                     return  # a killed switch half-done: the next run or start settles it
                 seen("checks")
                 s = g.open(live)
-                rows = s._select(
+                rows = s.select(
                     "SELECT id, label, source, metadata FROM items WHERE deleted_seq IS NULL"
                 )
                 import json
@@ -467,7 +467,7 @@ def make_machine(kind: str, pg=None):
                     assert (found[2]["op"], sorted(named)) == (op, sorted(ids)), (key, found)
                     assert 0 < found[1] <= s.last_seq(), (key, found)  # (a write of this log)
                 seen("Idempotency records checked")
-                all_ids = s._select("SELECT id, label, source FROM items WHERE source = 'added'")
+                all_ids = s.select("SELECT id, label, source FROM items WHERE source = 'added'")
                 for item_id, label, _ in all_ids:  # an id is one item, wherever it is
                     if item_id in self.live_added:
                         assert self.live_added[item_id] == label

@@ -16,7 +16,7 @@ from ..galleries_fake import Place, add, closing, gen, live_added
 def trained(place: Place, gen_: str) -> dict[int, str]:
     """dataset index -> label of the live trained items of a gallery."""
     with closing(place.galleries()) as g:
-        rows = g.open(gen_)._select(
+        rows = g.open(gen_).select(
             "SELECT metadata, label FROM items WHERE source = 'trained' AND deleted_seq IS NULL"
         )
     return {json.loads(md)["dataset_index"]: label for md, label in rows}

@@ -162,15 +162,15 @@ def test_a_label_or_trained_image_deleted_stays_deleted_in_another_models_index(
     place.upgrade(2, True)  # model 2's index: T0 images model 0's never had
     with closing(place.galleries()) as g:
         s = g.open(gen(2))
-        live = s._select("SELECT label FROM items WHERE deleted_seq IS NULL")
+        live = s.select("SELECT label FROM items WHERE deleted_seq IS NULL")
         assert "T0" not in {r[0] for r in live}
-        trained = s._select("SELECT id, metadata FROM items WHERE source = 'trained'")
+        trained = s.select("SELECT id, metadata FROM items WHERE source = 'trained'")
         (seven,) = [i for i, md in trained if json.loads(md)["dataset_index"] == 7]
     assert delete(place, gen(2), [seven])  # an image model 0's index lacks
     place.upgrade(0, True)  # through model 0 ...
     place.upgrade(1, True)  # ... into model 1, whose index has it
     with closing(place.galleries()) as g:
-        rows = g.open(gen(1))._select(
+        rows = g.open(gen(1)).select(
             "SELECT label, metadata FROM items WHERE source = 'trained' AND deleted_seq IS NULL"
         )
     assert "T0" not in {r[0] for r in rows}
@@ -386,7 +386,7 @@ def test_a_delete_of_an_image_the_live_gallery_lacks_reaches_a_gallery_built_ear
 
     def live_index_6(gen_: str) -> list[int]:
         with closing(place.galleries()) as g:
-            rows = g.open(gen_)._select(
+            rows = g.open(gen_).select(
                 "SELECT id, metadata FROM items WHERE source = 'trained' AND deleted_seq IS NULL"
             )
         return [i for i, md in rows if json.loads(md)["dataset_index"] == 6]

@@ -95,10 +95,10 @@ def test_a_store_of_schema_5_gets_the_new_tables_and_keeps_its_writes(store, see
     again = cls(target, seed, FP, INDEX)
     try:
         assert again.meta()["schema_version"] == "7"
-        assert again._select("SELECT COUNT(*) FROM tombstones")[0][0] == 0
+        assert again.select("SELECT COUNT(*) FROM tombstones")[0][0] == 0
         assert [i.id for i in again.live_items() if i.source == "added"] == ids
         assert again.delete(label="x")[0] > seq  # and writes tombstones now
-        assert again._select("SELECT kind, name FROM tombstones") == [("label", "x")]
+        assert again.select("SELECT kind, name FROM tombstones") == [("label", "x")]
     finally:
         again.close()
 
@@ -119,7 +119,7 @@ def test_a_store_of_schema_6_gets_its_label_deletes_as_label_changes(store, seed
     again = cls(target, seed, FP, INDEX)
     try:
         assert again.meta()["schema_version"] == "7"
-        got = again._select("SELECT seq, kind, name, new FROM label_changes")
+        got = again.select("SELECT seq, kind, name, new FROM label_changes")
         assert got == [(dseq, "label", "x", None)]
     finally:
         again.close()
@@ -142,7 +142,7 @@ def test_deletes_leave_tombstones_and_keyed_writes_replay(store):
     assert store.request("key-1") == ("digest-1", seq, {"op": "add", "ids": ids, "label": "x"})
     assert store.delete([0])[0]  # a trained item, by id
     assert store.delete(label="b")[0]
-    rows = sorted(store._select("SELECT kind, name FROM tombstones"))
+    rows = sorted(store.select("SELECT kind, name FROM tombstones"))
     assert rows == [("label", "b"), ("trained", "[null, 0]")]
 
 
@@ -409,7 +409,7 @@ def test_corrections_move_labels_in_place_and_the_log_brings_them(store):
     rows = store.item_rows(-1, 100)
     assert {r.id: r.label for r in rows if r.label == "d"} == {1: "d", **{i: "d" for i in ids}}
     assert seq4 == seq3 + 1 and len(store.live_items()) == 5 + 3
-    changes = store._select("SELECT seq, kind, name, new FROM label_changes ORDER BY seq")
+    changes = store.select("SELECT seq, kind, name, new FROM label_changes ORDER BY seq")
     assert changes == [
         (seq2, "trained", "[null, 1]", "d"),  # (the trained image, by its dataset index)
         (seq3, "label", "c", "e"),

@@ -45,7 +45,7 @@ def _live(backend) -> tuple[str | None, dict[str, int]]:
         h.close()
     s = open_as_found(target)
     try:
-        rows = s._select(
+        rows = s.select(
             "SELECT label, COUNT(*) FROM items WHERE deleted_seq IS NULL GROUP BY label"
         )
     finally:
