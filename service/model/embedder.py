@@ -225,9 +225,9 @@ class Embedder(Preprocessing):
 
     def use_engine(self, dirs: list, setting: str = "auto"):
         """On CPU, serve through the inference engine `setting` picks (service/model/engines;
-        the export cached in the first writable of `dirs`); returns engines.Chosen, whose
+        the export cached in the first writable of `dirs`); returns engines.choice.Chosen, whose
         `engine` is None where torch keeps serving (`note` says why)."""
-        from service.model.engines import Chosen, choose
+        from service.model.engines.choice import Chosen, choose
         from service.model.engines.export import wanted
 
         if self.device.type != "cpu":

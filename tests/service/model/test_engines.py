@@ -14,6 +14,7 @@ from service.config import Settings
 from service.model import engines
 from service.model.accel import differs
 from service.model.embedder import Embedder
+from service.model.engines import choice
 from service.model.runtime import ModelRuntime
 
 from ..helpers import img, make_client, of_class
@@ -65,8 +66,8 @@ def test_every_architecture_exports_and_each_engine_gives_the_torch_rows(
             assert chosen.name == name, chosen.note
             got = e.forward(x)
             assert got.shape == want.shape
-            assert differs(want, got) <= engines.ENGINE_ATOL
-            assert differs(want[:1], e.forward(x[:1])) <= engines.ENGINE_ATOL  # any batch size
+            assert differs(want, got) <= choice.ENGINE_ATOL
+            assert differs(want[:1], e.forward(x[:1])) <= choice.ENGINE_ATOL  # any batch size
 
 
 def test_a_stale_or_modified_export_is_refused_and_rebuilt(tmp_path):
@@ -84,14 +85,14 @@ def test_a_stale_or_modified_export_is_refused_and_rebuilt(tmp_path):
     rebuilt = json.loads((tmp_path / "embedding-world.json").read_text())
     assert rebuilt["model_fingerprint"] != card["model_fingerprint"]
     with torch.inference_mode():
-        assert differs(eb.u8(x).float(), eb.forward(x)) <= engines.ENGINE_ATOL
+        assert differs(eb.u8(x).float(), eb.forward(x)) <= choice.ENGINE_ATOL
     # bytes changed after it was written: refused by its SHA-256, exported again
     onnx = tmp_path / "embedding-world.onnx"
     onnx.write_bytes(onnx.read_bytes() + b"\0")
     third = eb.use_engine([tmp_path], "onnxruntime")
     assert "modified" in third.note, third.note
     with torch.inference_mode():
-        assert differs(eb.u8(x).float(), eb.forward(x)) <= engines.ENGINE_ATOL
+        assert differs(eb.u8(x).float(), eb.forward(x)) <= choice.ENGINE_ATOL
 
 
 def test_an_engine_that_disagrees_or_is_missing_leaves_torch_serving_and_says_why(
@@ -101,7 +102,7 @@ def test_an_engine_that_disagrees_or_is_missing_leaves_torch_serving_and_says_wh
     settings = Settings(
         model=tmp_path / "run", data_dir=tmp_path / "data", warmup_seconds=0, fused_batches=0
     )
-    monkeypatch.setattr(engines, "ENGINE_ATOL", -1.0)  # every engine "differs"
+    monkeypatch.setattr(choice, "ENGINE_ATOL", -1.0)  # every engine "differs"
     with caplog.at_level(logging.WARNING, logger="snca.service"):
         rt = ModelRuntime.load(settings, m, "embedding", inline=True)
     assert rt.info.engine == "torch" and rt.embedder.engine is None
@@ -112,7 +113,7 @@ def test_an_engine_that_disagrees_or_is_missing_leaves_torch_serving_and_says_wh
         assert differs(rt.embedder.u8(x).float(), rt.embedder.forward(x)) <= 1e-4
     # an engine whose package is missing: named in the note, torch serves
     monkeypatch.setattr(engines, "ENGINES", {"nope": "service.model.engines.absent:Nope"})
-    chosen = engines.choose("auto", rt.embedder.u8, x, {}, [tmp_path])
+    chosen = choice.choose("auto", rt.embedder.u8, x, {}, [tmp_path])
     assert chosen.engine is None and "nope: not installed" in chosen.note
 
 
