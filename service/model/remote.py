@@ -376,14 +376,10 @@ class RemoteRuntime(Runtime):
     async def answers(
         self, prepared: list[Prepared], query: VoteQuery, tpr: float | None
     ) -> list[Answer]:
-        v, q = self._version(), query
-        labels = None if q.labels is None else list(q.labels)
+        v = self._version()
         self._admit(len(prepared))
         futs = [
-            self._send(
-                ClassifyJob(next(self._ids), v, q.vote, q.k, labels, q.neighbors, tpr),
-                _raw(p.pixels),
-            )
+            self._send(ClassifyJob(next(self._ids), v, query, tpr), _raw(p.pixels))
             for p in prepared
         ]
         return [_answer(r, tpr, self.settings) for r in await asyncio.gather(*futs)]

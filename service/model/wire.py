@@ -95,15 +95,11 @@ class ModelBusy(ModelUnavailable):
 class ClassifyJob:
     id: int
     min_version: int
-    vote: str
-    k: int
-    labels: list[str] | None  # the label filter (None: every label)
-    neighbors: bool
+    query: VoteQuery  # whole, as the route made it (sent as an object of its fields)
     tpr: float | None  # the open-set acceptance rate (None: unknown=off)
 
     def model_job(self, pixels):
-        labels = tuple(self.labels) if self.labels else None
-        return Job("classify", pixels, VoteQuery(self.vote, self.k, labels, self.neighbors))
+        return Job("classify", pixels, self.query)
 
     def result(self, c, ctx) -> ClassifyAnswer:
         a = ClassifyAnswer.of(self.id, c, ctx.threshold(self.tpr, c.label_id), ctx.version)
@@ -232,7 +228,11 @@ def encode(r) -> dict:
     out = {"type": type(r).__name__}
     for f in _FIELDS[type(r)]:
         v = getattr(r, f)
-        out[f] = [encode(x) for x in v] if f == "results" else v
+        if f == "results":
+            v = [encode(x) for x in v]
+        elif f == "query":  # (a VoteQuery: its fields by name, the label filter a list)
+            v = {g.name: getattr(v, g.name) for g in fields(VoteQuery)}
+        out[f] = v
     return out
 
 
@@ -242,6 +242,10 @@ def decode(obj):
         cls = RECORDS[obj.pop("type")]
         if cls is Batch:
             obj["results"] = [decode(x) for x in obj["results"]]
+        if cls is ClassifyJob:
+            q = obj["query"]
+            labels = q.pop("labels")
+            obj["query"] = VoteQuery(**q, labels=None if labels is None else tuple(labels))
         return cls(**obj)
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"not a record of the wire: {str(e)[:100]}") from None

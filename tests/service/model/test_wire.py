@@ -10,6 +10,7 @@ import pytest
 
 from service.config import Settings
 from service.gallery import Classification
+from service.gallery.query import VoteQuery
 from service.gallery.world import WorldVerdict
 from service.model.remote import _answer
 from service.model.runtime import Answer
@@ -41,8 +42,8 @@ C = Classification(
 )
 
 SAMPLES = [
-    ClassifyJob(1, 10, "kde", 30, ["Sandal", "é"], True, 0.95),
-    ClassifyJob(2, 0, "knn", 5, None, False, None),
+    ClassifyJob(1, 10, VoteQuery("kde", 30, ("Sandal", "é"), True), 0.95),
+    ClassifyJob(2, 0, VoteQuery("knn", 5), None),
     EmbedJob(3, 7),
     SyncJob(4, 0),
     Batch(
@@ -69,7 +70,7 @@ def test_every_record_crosses_by_name_and_comes_back_equal():
     assert [p for _, p in got] == [bytes([i]) * i for i in range(len(SAMPLES))]
     n = HEAD.unpack_from(frame(SAMPLES[0]))[0]
     header = json.loads(frame(SAMPLES[0])[HEAD.size : HEAD.size + n])
-    assert header["type"] == "ClassifyJob" and header["labels"] == ["Sandal", "é"]  # by name
+    assert header["type"] == "ClassifyJob" and header["query"]["labels"] == ["Sandal", "é"]
 
 
 @pytest.mark.parametrize(
