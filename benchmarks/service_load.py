@@ -492,7 +492,7 @@ async def _http_breakdown(host, png: bytes, n: int = 2000) -> dict:
 
     app = create_app(host=host)
     rt = host.state.runtime
-    (p,) = await rt.prepare_async([png], ["image"])
+    (p,) = await rt.uploads.prepare_async([png], ["image"])
     answer = rt.run_batch([Job("classify", p.pixels, VoteQuery("kde", 30))])[0]
 
     async def classify(*_a, **_k):
@@ -548,7 +548,7 @@ async def _http_breakdown(host, png: bytes, n: int = 2000) -> dict:
     app_us = (time.perf_counter() - t0) / n * 1e6
     t0 = time.perf_counter()
     for _ in range(n):
-        await rt.prepare_async([png], ["image"])
+        await rt.uploads.prepare_async([png], ["image"])
     decode_us = (time.perf_counter() - t0) / n * 1e6
     return {"asgi_app_with_decode": app_us, "decode_and_preprocess": decode_us}
 

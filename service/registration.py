@@ -14,7 +14,7 @@ import numpy as np
 from anyio import to_thread
 
 from service.config import Settings
-from service.model.runtime import Prepared
+from service.model.uploads import Prepared
 from service.state import ServiceState
 from service.store.records import Keyed, Replayed
 

@@ -43,7 +43,8 @@ from service.gallery.query import VoteQuery
 from service.gallery.world import WorldVerdict
 from service.model import spawn
 from service.model.embedder import Preprocessing
-from service.model.runtime import Answer, ModelInfo, Prepared, Runtime
+from service.model.runtime import Answer, ModelInfo, Runtime
+from service.model.uploads import Prepared
 from service.model.wire import (
     Batch,
     ClassifyAnswer,

@@ -1,12 +1,11 @@
 """The model at serving time: the embedder on its own model thread behind the micro-batcher,
-uploads turned into model input, and the batches (one forward, then the votes)."""
+and the batches (one forward, then the votes); uploads into model input: uploads.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -18,8 +17,7 @@ from anyio import to_thread
 from threadpoolctl import ThreadpoolController
 
 from embedding.device import resolve_device
-from embedding.sysalloc import default_freed_memory, release_free_memory
-from embedding.thumbnails import make_thumbnail
+from embedding.sysalloc import default_freed_memory
 from service.config import Settings
 from service.gallery import Classification, Gallery
 from service.gallery.query import VoteQuery
@@ -29,18 +27,9 @@ from service.model.embedder import (
     Embedder,
     ImageError,
     Preprocessing,
-    load_image,
-    open_image,
 )
+from service.model.uploads import Prepared, Uploads
 
-# Images up to this many pixels (per request) are decoded on the event loop: ~50 us for a
-# 28x28 PNG, against ~150 us+ for a hop to a worker thread and back under load.
-INLINE_PIXELS = 96 * 96
-# Requests decoding large images at the same time: bounds the decoded pixels in memory.
-DECODE_SLOTS = 2
-# A request that decoded more pixels than this gives the freed memory back to the OS after it
-# (a 6000 x 6000 PNG is 108 MB decoded); smaller ones leave the heap as it is.
-TRIM_AFTER_PIXELS = 4_000_000
 # A model slower than this per image (on one thread) gets every core; see auto_threads.
 HEAVY_MODEL_MS = 2.0
 
@@ -52,14 +41,6 @@ class Job:
     kind: str  # "classify" or "embed"
     pixels: np.ndarray  # uint8 (C, H, W), Embedder.pixels
     query: VoteQuery | None = None  # classify: what the request asks of the vote
-
-
-@dataclass
-class Prepared:
-    pixels: np.ndarray  # uint8 (C, H, W), Embedder.pixels
-    data: bytes
-    mime: str
-    thumbnail: bytes | None = None  # when asked for (gallery adds with SNCA_THUMBNAILS)
 
 
 @dataclass
@@ -81,76 +62,16 @@ class Runtime(ABC):
     process: a model thread) and `RemoteRuntime` (service/model/remote.py: the model in a
     process of its own, over service/model/wire.py). ServiceState, start-up and the routes
     know only this. Uploads are decoded into model input (uint8 pixels at the model's size)
-    here, on the process that runs the event loop; needs `settings` and `embedder` (a
-    Preprocessing)."""
+    by `uploads` (service/model/uploads.py), on the process that runs the event loop; needs
+    `settings` and `embedder` (a Preprocessing)."""
 
     settings: Settings
     embedder: Preprocessing
 
-    def __init__(self) -> None:
-        # requests decoding large images at once (each holds one decoded image at a time)
-        self._decode_slots = threading.BoundedSemaphore(DECODE_SLOTS)
-
-    def prepare(self, data: bytes, name: str) -> Prepared:
-        """Decode + preprocess one upload (blocking; see `prepare_async`)."""
-        return self.prepare_image(
-            open_image(data, self.settings.max_image_pixels, name), data, name
-        )
-
-    def prepare_image(self, img, data: bytes, name: str, thumbnail: bool = False) -> Prepared:
-        """An opened image (embedder.open_image: limits checked) -> what the model takes."""
-        img, mime = load_image(img, name, self.embedder.decode_side)
-        thumb = make_thumbnail(img, self.settings.thumbnail_side) if thumbnail else None
-        return Prepared(self.embedder.pixels(img), data, mime, thumb)
-
-    async def prepare_async(
-        self, datas: list[bytes], names: list[str], thumbnails: bool = False
-    ) -> list[Prepared]:
-        """Decode + preprocess uploads. Every header is read first, on the event loop (cheap,
-        bounded): the request's pixels together must be within SNCA_MAX_REQUEST_PIXELS (413
-        `too_many_pixels` before anything is decoded). Small images (at most INLINE_PIXELS in
-        all, e.g. 28x28 or 64x64) are decoded there too, because a thread hop costs more than
-        decoding them; larger ones in a thread, one at a time, each decoded image dropped
-        once it is the model's input, and at most DECODE_SLOTS requests decoding at once: a
-        request holds at most one decoded image."""
-        s = self.settings
-        imgs = [open_image(d, s.max_image_pixels, n) for d, n in zip(datas, names, strict=True)]
-        pixels = sum(i.size[0] * i.size[1] for i in imgs)
-        if pixels > s.max_request_pixels:
-            raise ImageError(
-                413,
-                f"the {len(imgs)} images have {pixels} pixels together; the limit is "
-                f"{s.max_request_pixels} per request (SNCA_MAX_REQUEST_PIXELS)",
-                "too_many_pixels",
-            )
-        if pixels <= INLINE_PIXELS:
-            t = thumbnails
-            return [
-                self.prepare_image(i, d, n, t) for i, d, n in zip(imgs, datas, names, strict=True)
-            ]
-        return await to_thread.run_sync(self._decode_large, imgs, datas, names, thumbnails)
-
-    def _decode_large(self, imgs: list, datas, names, thumbnails: bool) -> list[Prepared]:
-        out, decoded = [], 0
-        with self._decode_slots:
-            try:
-                for i in range(len(imgs)):
-                    out.append(self.prepare_image(imgs[i], datas[i], names[i], thumbnails))
-                    decoded += imgs[i].size[0] * imgs[i].size[1]  # as decoded (JPEG: reduced)
-                    imgs[i].close()
-                    imgs[i] = None  # its decoded pixels go now, not with the whole request
-            finally:
-                for img in imgs:
-                    if img is not None:
-                        img.close()
-                if decoded > TRIM_AFTER_PIXELS or any(img is not None for img in imgs):
-                    # back to the OS, not kept for the next request. Only after large images:
-                    # malloc_trim also returns the model's freed activation buffers (the heap
-                    # keeps them, embedding/sysalloc.py), which the next forward then faults
-                    # in again: trimming after every photo made ResNet-50's forward at 224 px
-                    # 75 instead of 45 ms (docs/PERFORMANCE.md)
-                    release_free_memory()
-        return out
+    @property
+    def uploads(self) -> Uploads:
+        """Uploads into this model's input (service/model/uploads.py)."""
+        return Uploads(self.settings, self.embedder)
 
     # ------------------------------------------------------------ what each implements
     @abstractmethod
@@ -421,7 +342,7 @@ class ModelRuntime(Runtime):
         pixels, errors = [], []
         for i, data in enumerate(images):
             try:
-                pixels.append(self.prepare(data, f"item {i}").pixels)
+                pixels.append(self.uploads.prepare(data, f"item {i}").pixels)
                 errors.append(None)
             except ImageError as e:
                 errors.append(e.message)

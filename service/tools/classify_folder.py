@@ -121,7 +121,7 @@ def classify(args: dict, log=print) -> int:
                     try:  # the service's reading, limits and preprocessing
                         data = read_image_file(path, s.max_upload_bytes)
                         img = open_image(data, s.max_image_pixels, shown)
-                        ready.append((shown, state.runtime.prepare_image(img, data, shown)))
+                        ready.append((shown, state.runtime.uploads.prepare_image(img, data, shown)))
                     except ImageError as e:
                         failed += 1
                         emit({"path": shown, "error": e.message})

@@ -359,7 +359,7 @@ def import_images(args: dict, log=print) -> int:
                         continue
                     try:  # the service's decoding, limits and preprocessing
                         img = open_image(data, s.max_image_pixels, e.key)
-                        p = state.runtime.prepare_image(img, data, e.key, s.thumbnails)
+                        p = state.runtime.uploads.prepare_image(img, data, e.key, s.thumbnails)
                     except ImageError as err:
                         failed.append(f"{e.key}: {err.message}")
                         continue

@@ -194,7 +194,7 @@ async def classify(request: Request):
     """Classify one image by its neighbours in the gallery"""
     state, query, tpr = read_query(request)
     data = await read_uploads(request, "image", 1)
-    prepared = await state.runtime.prepare_async(data, ["image"])
+    prepared = await state.runtime.uploads.prepare_async(data, ["image"])
     (r,) = await answers(state, prepared, query, tpr, request.app.state.review)
     return JSONResponse(r)
 
@@ -206,6 +206,6 @@ async def classify_batch(request: Request):
     limit = state.settings.max_images_per_request
     datas = await read_uploads(request, "images", limit)
     names = [f"images[{i}]" for i in range(len(datas))]
-    prepared = await state.runtime.prepare_async(datas, names)
+    prepared = await state.runtime.uploads.prepare_async(datas, names)
     review = request.app.state.review
     return JSONResponse({"results": await answers(state, prepared, query, tpr, review)})

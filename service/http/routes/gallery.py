@@ -131,7 +131,7 @@ async def add(request: Request, state: StateDep):
     md = parse_metadata(md_text, len(datas), s.max_metadata_bytes)
 
     async def write(keyed: Keyed | None):
-        prepared = await state.runtime.prepare_async(
+        prepared = await state.runtime.uploads.prepare_async(
             datas, [f"images[{i}]" for i in range(len(datas))], thumbnails=s.thumbnails
         )
         return await register(state, label, prepared, md, keyed)

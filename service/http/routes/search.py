@@ -57,7 +57,7 @@ async def search(
     if labels:
         check_labels(state, labels)
     (data,) = await read_uploads(request, "image", 1)
-    (p,) = await state.runtime.prepare_async([data], ["image"])
+    (p,) = await state.runtime.uploads.prepare_async([data], ["image"])
     q, _ = state.runtime.embedder.split((await state.runtime.embed(p))[None, :])
     sims, ids, _names = await run_in_threadpool(state.gallery.search, q, k, labels or None)
     hits = (

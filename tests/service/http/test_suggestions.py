@@ -24,7 +24,7 @@ def test_suggestions_find_a_new_labels_queries_and_misfiled_items(
         state = c.app.state.snca.state
         emb = {}
         for i in of_class(fmnist_test, 8, 30):
-            p = state.runtime.prepare(png(fmnist_test, i), "q")
+            p = state.runtime.uploads.prepare(png(fmnist_test, i), "q")
             emb[i] = state.runtime.embedder.split(state.runtime.embed_pixels([p.pixels]))[0][0]
         for q in state.store.queued(100):
             if max(float(v @ q.embedding) for v in emb.values()) > 0.999:

@@ -49,7 +49,9 @@ def test_queries_the_service_could_not_name_are_grouped_and_named(base_run, tmp_
         state = c.app.state.snca.state  # (the test's own embedding of each query)
         rows = {
             i: state.runtime.embedder.split(
-                state.runtime.embed_pixels([state.runtime.prepare(png(fmnist_test, i), "q").pixels])
+                state.runtime.embed_pixels(
+                    [state.runtime.uploads.prepare(png(fmnist_test, i), "q").pixels]
+                )
             )[0][0]
             for i in truth
         }
