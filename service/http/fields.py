@@ -9,7 +9,10 @@ from fastapi import Path
 from pydantic import BeforeValidator, Field
 
 from service.gallery.labels import LABEL_PATTERN
-from service.http.openapi import LABEL_FIELD
+
+# marks a JSON body's label field (Label below): service/http/openapi.py writes the settings'
+# SNCA_MAX_LABEL_LENGTH in as its maxLength
+LABEL_FIELD = "x-snca-label"
 
 MAX_IDS = 1000  # items one relabel may name (one write; bounded time under the write lock)
 

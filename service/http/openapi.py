@@ -10,6 +10,7 @@ from fastapi.openapi.utils import get_openapi
 
 from service.config import Settings
 from service.http.deps import ACCESS_KEY, KEY_SCHEME, MIN_VERSION_HEADER
+from service.http.fields import LABEL_FIELD
 from service.http.inputs import IDEMPOTENCY_HEADER
 from service.http.keys import KeyRing
 from service.http.problems import PROBLEM_JSON
@@ -48,11 +49,6 @@ WITH_MIN_VERSION = {
     "SNCA_MAX_PARKED)",
     "503": f"not ready, or {MIN_VERSION_HEADER} not applied within SNCA_MIN_VERSION_WAIT_S",
 }
-
-
-# marks a JSON body's label field (service/http/routes/corrections.py Label): `build` writes the
-# settings' SNCA_MAX_LABEL_LENGTH in as its maxLength
-LABEL_FIELD = "x-snca-label"
 
 
 def _label_fields(comps: dict, s: Settings) -> None:

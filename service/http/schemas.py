@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.http.fields import MAX_IDS, ItemIds, JsonId, Label
 
 
 class Probability(BaseModel):
@@ -283,3 +285,68 @@ class ErrorBody(BaseModel):
     gallery_version: int | None = Field(
         None, description="the committed write's gallery version (with committed: true)"
     )
+
+
+# ------------------------------------------------------------------ corrections (routes/corrections.py)
+class NewLabel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    label: Label
+
+
+class Relabel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ids: ItemIds
+    label: Label
+
+
+class Rename(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    label: Label = Field(description="the label renamed")
+    to: Label = Field(description="its new name (no live item may have it: merge instead)")
+
+
+class Merge(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    label: Label = Field(description="the label merged away")
+    into: Label = Field(description="the label its items join (it has items)")
+
+
+class Moved(BaseModel):
+    id: int
+    previous_label: str
+
+
+class RelabelResult(BaseModel):
+    relabelled: list[Moved] = Field(description="the items moved (those already there: none)")
+    label: str
+    gallery_version: int
+
+
+class RenameResult(BaseModel):
+    label: str = Field(description="the label the items have now")
+    previous_label: str
+    count: int = Field(description="items moved")
+    gallery_version: int
+
+
+# ------------------------------------------------------------------ the review queue (routes/review.py)
+QueuedId = JsonId  # a queued query's id (GET /review)
+
+
+class Name(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ids: list[QueuedId] = Field(min_length=1, max_length=MAX_IDS, description="queued query ids")
+    label: Label
+
+
+class Dismiss(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ids: list[QueuedId] = Field(min_length=1, max_length=MAX_IDS, description="queued query ids")
+
+
+class Named(BaseModel):
+    ids: list[int] = Field(description="the new gallery items, in the order of the queued ids")
+    queued_ids: list[int] = Field(description="the queued queries they were (those still queued)")
+    label: str
+    count: int = Field(description="the label's live items now")
+    gallery_version: int

@@ -11,57 +11,25 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from service.gallery.labels import check_label, normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
-from service.http.fields import MAX_IDS, ItemId, ItemIds, Label
+from service.http.fields import MAX_IDS, ItemId
 from service.http.idempotency import REPLAYED, keyed_write
 from service.http.inputs import IDEMPOTENCY_PARAMETER, idempotency_key
 from service.http.problems import Problem
+from service.http.schemas import (
+    Merge,
+    Moved,
+    NewLabel,
+    Relabel,
+    RelabelResult,
+    Rename,
+    RenameResult,
+)
 
 router = APIRouter(prefix="/gallery", tags=["gallery"], route_class=GuardedRoute)
-
-
-class NewLabel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    label: Label
-
-
-class Relabel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    ids: ItemIds
-    label: Label
-
-
-class Rename(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    label: Label = Field(description="the label renamed")
-    to: Label = Field(description="its new name (no live item may have it: merge instead)")
-
-
-class Merge(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    label: Label = Field(description="the label merged away")
-    into: Label = Field(description="the label its items join (it has items)")
-
-
-class Moved(BaseModel):
-    id: int
-    previous_label: str
-
-
-class RelabelResult(BaseModel):
-    relabelled: list[Moved] = Field(description="the items moved (those already there: none)")
-    label: str
-    gallery_version: int
-
-
-class RenameResult(BaseModel):
-    label: str = Field(description="the label the items have now")
-    previous_label: str
-    count: int = Field(description="items moved")
-    gallery_version: int
 
 
 def _label(state, raw: str) -> str:

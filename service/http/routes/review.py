@@ -10,42 +10,19 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from embedding.thumbnails import thumbnail_mime
 from service.gallery.labels import check_label
 from service.http.deps import GuardedRoute, StateDep, access
-from service.http.fields import JsonId, Label
 from service.http.idempotency import REPLAYED, keyed_write
 from service.http.inputs import IDEMPOTENCY_PARAMETER
 from service.http.problems import Problem
+from service.http.schemas import Dismiss, Name, Named
 from service.http.urls import queued_thumbnail_url
 from service.review import groups as grouping
 
 router = APIRouter(prefix="/review", tags=["review"], route_class=GuardedRoute)
-
-MAX_IDS = 1000
-QueuedId = JsonId
-
-
-class Name(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    ids: list[QueuedId] = Field(min_length=1, max_length=MAX_IDS, description="queued query ids")
-    label: Label
-
-
-class Dismiss(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    ids: list[QueuedId] = Field(min_length=1, max_length=MAX_IDS, description="queued query ids")
-
-
-class Named(BaseModel):
-    ids: list[int] = Field(description="the new gallery items, in the order of the queued ids")
-    queued_ids: list[int] = Field(description="the queued queries they were (those still queued)")
-    label: str
-    count: int = Field(description="the label's live items now")
-    gallery_version: int
 
 
 def _entry(q) -> dict:
