@@ -9,6 +9,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -68,9 +69,10 @@ class Runtime(ABC):
     settings: Settings
     embedder: Preprocessing
 
-    @property
+    @cached_property
     def uploads(self) -> Uploads:
-        """Uploads into this model's input (service/model/uploads.py)."""
+        """Uploads into this model's input (service/model/uploads.py); made once, on first use
+        (each implementation sets `settings` and `embedder` once, when it is built)."""
         return Uploads(self.settings, self.embedder)
 
     # ------------------------------------------------------------ what each implements

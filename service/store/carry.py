@@ -84,7 +84,7 @@ def state_key(gen: str) -> str:
     return f"carry:{gen}"
 
 
-@dataclass
+@dataclass(slots=True)  # (slots: a misspelt field is an error, not a silent new attribute)
 class CarryState:
     """Everything a carry has done, saved with every target write it makes (JSON under
     `state_key(source gen)` in the target's meta): a carry killed anywhere resumes from it, so
