@@ -164,9 +164,23 @@ ERRORS = {  # (what every route or upload answers: service/http/openapi.py)
 }
 
 
+# One image sent as the whole body (`curl --data-binary @q.png -H 'Content-Type: image/png'`):
+# no form to build or parse. The routes that take one image (field "image") document it as
+# IMAGE_BODY beside their multipart form; the bytes go to the same decoder as a form's file, so
+# bad input gets the same answers (400 undecodable, 413 pixels, 415 not an image).
+IMAGE_BODY = {"image/*": {"schema": {"type": "string", "format": "binary", "minLength": 1}}}
+
+
+def is_image_body(content_type: str) -> bool:
+    return content_type.split(";", 1)[0].strip().lower().startswith("image/")
+
+
 async def read_uploads(request: Request, field: str, max_files: int) -> list[bytes]:
     """The files of multipart field `field` (at least one; 422 like FastAPI's when missing;
-    413 `too_many_files` above `max_files`)."""
+    413 `too_many_files` above `max_files`); for field "image", also the body itself when it is
+    sent as `Content-Type: image/*` (empty: the decoder's 400, as for a 0-byte file)."""
+    if field == "image" and is_image_body(request.headers.get("content-type", "")):
+        return [await request.body()]
     got = (await read_form(request, max_files + 8, (field,))).files.get(field)
     if not got:
         raise missing(field)

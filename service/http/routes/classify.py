@@ -14,7 +14,7 @@ from embedding.votes import VOTES
 from service.gallery.labels import normalize_label
 from service.gallery.query import VoteQuery
 from service.http.deps import GuardedRoute, access, ready_state
-from service.http.inputs import ERRORS, check_labels, read_uploads
+from service.http.inputs import ERRORS, IMAGE_BODY, check_labels, read_uploads
 from service.http.schemas import BatchResult, ClassifyResult
 from service.http.urls import thumbnail_url
 from service.model.runtime import Answer
@@ -79,7 +79,8 @@ def _docs(field: str, many: bool) -> dict:
                         "properties": {field: {**prop, "description": desc}},
                         "additionalProperties": False,
                     }
-                }
+                },
+                **({} if many else IMAGE_BODY),
             },
         },
     )

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.gallery.labels import normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
-from service.http.inputs import ERRORS, check_labels, read_uploads
+from service.http.inputs import ERRORS, IMAGE_BODY, check_labels, read_uploads
 from service.http.schemas import SearchResult
 from service.http.urls import thumbnail_url
 
@@ -33,7 +33,8 @@ BODY = {
                     }
                 },
             }
-        }
+        },
+        **IMAGE_BODY,
     },
 }
 
