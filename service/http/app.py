@@ -23,6 +23,7 @@ from service.gallery.labels import LabelInvalid
 from service.http import openapi, problems
 from service.http.admission import Admission
 from service.http.keys import KeyRing
+from service.http.lean import Lean
 from service.http.problems import Problem
 from service.http.routes import (
     classify,
@@ -130,10 +131,11 @@ class RequestContext:
     """Pure ASGI middleware: request id, Host check, body size and time limits, timing and
     security headers, metrics, access log; a bug becomes a 500 problem, never a stack trace."""
 
-    def __init__(self, app, host: ServiceHost):
+    def __init__(self, app, host: ServiceHost, lean: Lean):
         self.app = app
         self.host = host
         self.hosts = allowed_hosts(host.settings)
+        self.lean = lean  # the hot routes, called without the router (service/http/lean.py)
         # Request ids: a random per-process prefix and a counter (unique, and no syscall per
         # request as uuid4 makes).
         self._prefix = os.urandom(4).hex()
@@ -223,7 +225,11 @@ class RequestContext:
                 await send_wrapper(msg)
 
             try:
-                await self.app(scope, limited_receive, send_tracking)
+                route = self.lean.find(scope)
+                if route is not None:
+                    await self.lean(route, scope, limited_receive, send_tracking)
+                else:
+                    await self.app(scope, limited_receive, send_tracking)
             except Exception:
                 # Never a stack trace to the client, never a dropped connection: a bug is
                 # logged with the request id and answered as a 500 problem.
@@ -407,6 +413,6 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
             headers = {**(headers or {}), "Allow": ", ".join(sorted(methods))}
         return problems.response(e.status_code, None, str(e.detail), headers)
 
-    app.add_middleware(RequestContext, host=host)
+    app.add_middleware(RequestContext, host=host, lean=Lean(m.router for m in routers))
     openapi.install(app, settings)
     return app

@@ -137,26 +137,32 @@ class GuardedRoute(APIRoute):
 
     def get_route_handler(self):
         handler = super().get_route_handler()
-        level, route = self.access, self  # (query_names is set once __init__ is done)
+        route = self  # (query_names is set once __init__ is done)
 
         async def guarded(request: Request):
-            check_access(request, level)
-            names = route.query_names
-            unknown = request.query_params.keys() - names
-            if unknown:
-                takes = ", ".join(sorted(names)) or "none"
-                raise Problem(
-                    422,
-                    "unknown_parameter",
-                    f"unknown query parameters: {', '.join(sorted(unknown))} (this route takes "
-                    f"{takes})",
-                )
-            min_version = request.headers.get(MIN_VERSION_HEADER)
-            if min_version is not None and level != "public":  # (health, metrics: never)
-                await wait_for_version(request, min_version)
+            await route.guard(request)
             return await handler(request)
 
         return guarded
+
+    async def guard(self, request: Request) -> None:
+        """What every request of this route passes first: the key, no unknown query
+        parameter, X-Min-Gallery-Version (service/http/lean.py calls it too)."""
+        level = self.access
+        check_access(request, level)
+        names = self.query_names
+        unknown = request.query_params.keys() - names
+        if unknown:
+            takes = ", ".join(sorted(names)) or "none"
+            raise Problem(
+                422,
+                "unknown_parameter",
+                f"unknown query parameters: {', '.join(sorted(unknown))} (this route takes "
+                f"{takes})",
+            )
+        min_version = request.headers.get(MIN_VERSION_HEADER)
+        if min_version is not None and level != "public":  # (health, metrics: never)
+            await wait_for_version(request, min_version)
 
 
 MIN_VERSION_HEADER = "X-Min-Gallery-Version"
