@@ -136,11 +136,10 @@ class GuardedRoute(APIRoute):
         self.query_names = frozenset(names)
 
     def get_route_handler(self):
-        handler = super().get_route_handler()
-        route = self  # (query_names is set once __init__ is done)
+        handler, guard = super().get_route_handler(), self.guard
 
         async def guarded(request: Request):
-            await route.guard(request)
+            await guard(request)
             return await handler(request)
 
         return guarded
