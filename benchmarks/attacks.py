@@ -28,7 +28,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.service.helpers import free_port
+from tests.service.helpers import free_port, run_beside
 
 
 def wait_ready(url: str, proc, timeout: float) -> None:
@@ -168,13 +168,7 @@ def round_three(c: httpx.Client, port: int, tee: bytes) -> None:
     side = [threading.Thread(target=probe, args=(r,)) for r in slow] + [
         threading.Thread(target=adds)
     ]
-    for t in ts + side:
-        t.start()
-    for t in ts:
-        t.join()
-    stop.set()
-    for t in side:
-        t.join()
+    run_beside(ts, side, stop)
     row(
         "R3 3. 48 parallel GET /gallery/diagnostics + 1 add/s",
         f"{statuses.count(200)} × 200, {statuses.count(429)} × 429 too_busy; slowest "

@@ -11,8 +11,6 @@ The run needs its index dir (snca-build-index RUN --out RUN/index).
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import os
 import sys
@@ -22,40 +20,20 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedding.datasets import load_raw
-from embedding.rundir import RunDir
+from benchmarks.novel_split import NovelSplit, parser, png
 from tests.service.helpers import Server
 
 
-def _png(a: np.ndarray) -> bytes:
-    b = io.BytesIO()
-    Image.fromarray(a).save(b, "PNG")
-    return b.getvalue()
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("run", type=Path)
-    ap.add_argument("--novel", default="2,6,9", help="held-out class ids")
-    ap.add_argument("--shots", type=int, default=5)
-    ap.add_argument("--queries", type=int, default=600, help="novel and base test queries each")
-    ap.add_argument("--draws", type=int, default=3)
+    ap = parser(__doc__, shots=5, draws=3, queries="novel and base test queries each")
     ap.add_argument("--vote", default=None, help="the /classify vote (default: the service's)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    novel = [int(c) for c in a.novel.split(",")]
-    names = RunDir(a.run).load_model_card()[0].class_names
-    train, test = load_raw("fashion-mnist", "train"), load_raw("fashion-mnist", "test")
-    rng = np.random.default_rng(a.seed)
-    nq = rng.permutation(np.nonzero(np.isin(test.targets, novel))[0])[: a.queries]
-    base_pool = [i for i in range(len(test.targets)) if test.class_names[test.targets[i]] in names]
-    bq = rng.permutation(base_pool)[: a.queries]
+    split = NovelSplit.of(a)
+    novel, train, test, rng = split.novel, split.train, split.test, split.rng
+    nq, bq = split.queries(a.queries)
     params = {"vote": a.vote} if a.vote else {}
     rows = []
     for draw in range(a.draws):
@@ -65,16 +43,13 @@ def main() -> int:
                 c = httpx.Client(base_url=srv.url, timeout=60)
                 for cls in novel:
                     pick = rng.choice(np.nonzero(train.targets == cls)[0], a.shots, replace=False)
-                    files = [
-                        ("images", (f"{i}.png", _png(train.source.get(int(i))[0].numpy())))
-                        for i in pick
-                    ]
+                    files = [("images", (f"{i}.png", png(train, i))) for i in pick]
                     r = c.post("/gallery/add", data={"label": f"new:{train.class_names[cls]}"},
                                files=files)  # fmt: skip
                     assert r.status_code == 201, r.text
 
                 def ask(i, c=c):
-                    img = _png(test.source.get(int(i))[0].numpy())
+                    img = png(test, i)
                     r = c.post("/classify", params=params, files={"image": ("q.png", img)})
                     return r.json()
 

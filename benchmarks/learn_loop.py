@@ -13,8 +13,6 @@ The run needs its index dir. Each draw learns a model of its own (minutes on 2 c
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import os
 import subprocess
@@ -25,19 +23,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedding.datasets import load_raw
-from embedding.rundir import RunDir
+from benchmarks.novel_split import NovelSplit, parser, png
 from tests.service.helpers import Server
-
-
-def _png(a: np.ndarray) -> bytes:
-    b = io.BytesIO()
-    Image.fromarray(a).save(b, "PNG")
-    return b.getvalue()
 
 
 def protocol(url: str, test, nq, bq, names_of) -> dict:
@@ -46,7 +36,7 @@ def protocol(url: str, test, nq, bq, names_of) -> dict:
     with httpx.Client(base_url=url, timeout=60) as c:
 
         def ask(i):
-            img = _png(test.source.get(int(i))[0].numpy())
+            img = png(test, i)
             return c.post("/classify", files={"image": ("q.png", img)}).json()
 
         an, ab = [ask(i) for i in nq], [ask(i) for i in bq]
@@ -61,26 +51,14 @@ def protocol(url: str, test, nq, bq, names_of) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("run", type=Path)
-    ap.add_argument("--novel", default="2,6,9", help="held-out class ids")
-    ap.add_argument("--shots", type=int, default=50)
-    ap.add_argument("--queries", type=int, default=600, help="novel and base test queries each")
-    ap.add_argument("--draws", type=int, default=1)
+    ap = parser(__doc__, shots=50, draws=1, queries="novel and base test queries each")
     ap.add_argument("--epochs", type=int, default=3, help="snca-gallery learn --epochs")
     ap.add_argument("--balance", type=float, help="snca-gallery learn --balance")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", type=Path, help="keep each draw's data dir and learned run here")
-    ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    novel = [int(c) for c in a.novel.split(",")]
-    names = RunDir(a.run).load_model_card()[0].class_names
-    train, test = load_raw("fashion-mnist", "train"), load_raw("fashion-mnist", "test")
-    rng = np.random.default_rng(a.seed)
-    nq = rng.permutation(np.nonzero(np.isin(test.targets, novel))[0])[: a.queries]
-    base_pool = [i for i in range(len(test.targets)) if test.class_names[test.targets[i]] in names]
-    bq = rng.permutation(base_pool)[: a.queries]
+    split = NovelSplit.of(a)
+    novel, train, test, rng = split.novel, split.train, split.test, split.rng
+    nq, bq = split.queries(a.queries)
 
     def names_of(t):
         n = test.class_names[int(t)]
@@ -95,7 +73,7 @@ def main() -> int:
             with httpx.Client(base_url=srv.url, timeout=120) as c:
                 for cls in novel:
                     pick = rng.choice(np.nonzero(train.targets == cls)[0], a.shots, replace=False)
-                    files = [("images", (f"{i}.png", _png(train.source.get(int(i))[0].numpy())))
+                    files = [("images", (f"{i}.png", png(train, i)))
                              for i in pick]  # fmt: skip
                     r = c.post("/gallery/add", data={"label": f"new:{train.class_names[cls]}"},
                                files=files)  # fmt: skip

@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.service_load import load_level, open_loop, request_bytes  # noqa: E402
+from benchmarks.service_load import load_level, open_loop, request_bytes, wait_ready  # noqa: E402
 
 
 def png28() -> bytes:
@@ -58,8 +58,6 @@ def free_port() -> int:
 
 
 def start(model: Path, data: Path, port: int, *extra: str, env: dict | None = None):
-    import httpx
-
     data.parent.mkdir(parents=True, exist_ok=True)
     log = open(data.parent / f"server-{port}.log", "w")  # noqa: SIM115
     p = subprocess.Popen(
@@ -68,16 +66,7 @@ def start(model: Path, data: Path, port: int, *extra: str, env: dict | None = No
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
     )  # fmt: skip
-    for _ in range(900):
-        if p.poll() is not None:
-            raise RuntimeError(Path(log.name).read_text()[-2000:])
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return p
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server did not start")
+    return wait_ready(p, port, 180, Path(log.name))
 
 
 def stop(p) -> None:

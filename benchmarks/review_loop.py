@@ -35,7 +35,6 @@ thumbnail is the image itself (re-encoded): matched by bytes.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -53,18 +52,11 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedding.datasets import load_raw
-from embedding.rundir import RunDir
+from benchmarks.novel_split import NovelSplit, parser, png
 from embedding.thumbnails import make_thumbnail
 from tests.service.helpers import Server
 
 TARGET = 0.95
-
-
-def _png(a: np.ndarray) -> bytes:
-    b = io.BytesIO()
-    Image.fromarray(a).save(b, "PNG")
-    return b.getvalue()
 
 
 class Session:
@@ -77,13 +69,13 @@ class Session:
     def register(self, shots: dict, train) -> None:
         """The draw's shots of each held-out class, through POST /gallery/add."""
         for cls, pick in shots.items():
-            files = [("images", (f"{i}.png", _png(train.source.get(int(i))[0].numpy())))
+            files = [("images", (f"{i}.png", png(train, i)))
                      for i in pick]  # fmt: skip
             r = self.c.post("/gallery/add", data={"label": self.label_of[cls]}, files=files)
             assert r.status_code == 201, r.text
 
     def png(self, i: int) -> bytes:
-        return _png(self.test.source.get(int(i))[0].numpy())
+        return png(self.test, i)
 
     def truth(self, i: int) -> str:
         cls = int(self.test.targets[i])
@@ -215,29 +207,18 @@ class Session:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("run", type=Path)
-    ap.add_argument("--novel", default="2,6,9", help="held-out class ids")
-    ap.add_argument("--shots", type=int, default=5)
+    ap = parser(__doc__, shots=5, draws=10, queries="evaluation queries: novel and base")
     ap.add_argument("--traffic", type=int, default=300, help="traffic queries: novel and base")
-    ap.add_argument("--queries", type=int, default=600, help="evaluation queries: novel and base")
-    ap.add_argument("--draws", type=int, default=10)
     ap.add_argument("--decisions", type=int, default=1, help="draws that also measure decisions")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server")
     ap.add_argument("--learn", type=int, metavar="EPOCHS", help="then snca-gallery learn, measured")
-    ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    novel = [int(c) for c in a.novel.split(",")]
-    train, test = load_raw("fashion-mnist", "train"), load_raw("fashion-mnist", "test")
-    rng = np.random.default_rng(a.seed)
+    split = NovelSplit.of(a)
+    novel, train, test, rng = split.novel, split.train, split.test, split.rng
     order = rng.permutation(len(test.targets))
     half = len(order) // 2
     pool_t, pool_e = order[:half], order[half:]  # traffic, evaluation: disjoint
-    names = RunDir(a.run).load_model_card()[0].class_names  # the base classes: the model's
-    is_novel = np.isin(test.targets, novel)
-    is_base = np.array([test.class_names[t] in names for t in test.targets])
+    is_novel, is_base = np.isin(test.targets, novel), split.is_base()
     traffic = np.concatenate(
         [pool_t[is_novel[pool_t]][: a.traffic], pool_t[is_base[pool_t]][: a.traffic]]
     )

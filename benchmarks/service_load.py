@@ -598,9 +598,15 @@ def serve(
         env=env,
         cwd=cwd,
     )
+    return wait_ready(p, port, 600)  # a ResNet-50 at 224 px warms up for ~30 s on 2 cores
+
+
+def wait_ready(p: subprocess.Popen, port: int, timeout: float, log: Path | None = None):
+    """`p` once http://127.0.0.1:PORT/readyz answers 200; RuntimeError (with `log`'s tail) when
+    it exits first, or when `timeout` s pass (it is killed then)."""
     import httpx
 
-    deadline = time.time() + 600  # a ResNet-50 at 224 px warms up for ~30 s on 2 cores
+    deadline = time.time() + timeout
     while time.time() < deadline and p.poll() is None:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
@@ -609,7 +615,8 @@ def serve(
             pass
         time.sleep(0.2)
     p.kill()
-    raise RuntimeError("server did not start")
+    tail = log.read_text()[-2000:] if log is not None else ""
+    raise RuntimeError(f"server did not start (exit {p.poll()}) {tail}")
 
 
 def start_app(code: str, port: int, *args) -> subprocess.Popen:

@@ -317,6 +317,11 @@ def _ci(d: dict, scale: float = 100.0) -> str:
     return f"{scale * d['mean']:.{p}f} ± {scale * d['ci95']:.{p}f}"
 
 
+def _head(*cols: str) -> list[str]:
+    """A markdown table's header row and the separator row under it."""
+    return ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+
+
 def _target(ok: bool) -> str:
     return "**met**" if ok else "**missed**"
 
@@ -332,8 +337,9 @@ def report(jobs: dict[str, Job], meta: dict, figs: list[str]) -> str:
         "Test-split numbers are read once per run, after training; ablations use the validation "
         "split carved from the training set.",
         "",
-        "| run | arguments of `python -m training` | status | train wall (s) | eval wall (s) |",
-        "| --- | --- | --- | --- | --- |",
+        *_head(
+            "run", "arguments of `python -m training`", "status", "train wall (s)", "eval wall (s)"
+        ),
     ]
     for j in jobs.values():
         st = j.result.get("train", {})
@@ -345,7 +351,7 @@ def report(jobs: dict[str, Job], meta: dict, figs: list[str]) -> str:
     if nca and soft and "closed" in nca.result and "closed" in soft.result:
         cn, cs = nca.result["closed"], soft.result["closed"]
         L += ["", "### Closed set, test split (the paper's Table 2 rows)", ""]
-        L += ["| model | top-1 k=1 | top-1 k=30 | top-5 k=30 |", "| --- | --- | --- | --- |"]
+        L += _head("model", "top-1 k=1", "top-1 k=30", "top-5 k=30")
         L.append(
             f"| softmax, parametric (its classifier) | {_pct(cs.get('parametric_top1'))} | | |"
         )
@@ -362,7 +368,7 @@ def report(jobs: dict[str, Job], meta: dict, figs: list[str]) -> str:
                 f"{m['knn_top1@30']:.2f} | {m['knn_top5@30']:.2f} |"
             )
         L += ["", "Top-1 (%) against k (memory bank / re-embedded):", ""]
-        L += ["| model | " + " | ".join(f"k={k}" for k in KS) + " |", "|---" * (len(KS) + 1) + "|"]
+        L += _head("model", *(f"k={k}" for k in KS))
         for j in (nca, soft):
             c = j.result["closed"]
             L.append(
@@ -389,8 +395,7 @@ def report(jobs: dict[str, Job], meta: dict, figs: list[str]) -> str:
     if abl:
         L += ["", "### Ablations, validation split (the paper's Table 4)", ""]
         L += [
-            "| run | kNN top-1 k=1 (memory) | k=30 (memory) | k=30 (re-embedded) |",
-            "| --- | --- | --- | --- |",
+            *_head("run", "kNN top-1 k=1 (memory)", "k=30 (memory)", "k=30 (re-embedded)"),
         ]
         for j in abl:
             c = j.result.get("closed")
@@ -408,8 +413,14 @@ def report(jobs: dict[str, Job], meta: dict, figs: list[str]) -> str:
         L += [
             "Trained on the 4 coarse groups; kNN (k=30 unless noted) over the memory bank scored on the 10 fine labels.",
             "",
-            "| model | coarse top-1 | fine top-1 k=1 | fine top-1 k=30 | fine, re-embedded k=30 | linear probe on features (fine labels) |",
-            "| --- | --- | --- | --- | --- | --- |",
+            *_head(
+                "model",
+                "coarse top-1",
+                "fine top-1 k=1",
+                "fine top-1 k=30",
+                "fine, re-embedded k=30",
+                "linear probe on features (fine labels)",
+            ),
         ]
         for j in (cs_, cn_):
             c = j.result["closed"]
@@ -433,8 +444,7 @@ def report(jobs: dict[str, Job], meta: dict, figs: list[str]) -> str:
             f"(T-shirt/top, Pullover, Shirt: the hardest three), {e['episodes']} episodes, 15 "
             "queries per class, kNN over the support with k = K; mean ± 95% CI (%).",
             "",
-            "| model | 1-shot | 5-shot |",
-            "| --- | --- | --- |",
+            *_head("model", "1-shot", "5-shot"),
         ]
         for j in (fs, fn):
             ep = j.result["episodes"]
@@ -445,8 +455,16 @@ def report(jobs: dict[str, Job], meta: dict, figs: list[str]) -> str:
             "rule the service offers), top-1 on novel / base test images and their harmonic mean, "
             "mean ± 95% CI over draws of the shots:",
             "",
-            "| model | rule | 1-shot novel | 1-shot base | 1-shot HM | 5-shot novel | 5-shot base | 5-shot HM |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            *_head(
+                "model",
+                "rule",
+                "1-shot novel",
+                "1-shot base",
+                "1-shot HM",
+                "5-shot novel",
+                "5-shot base",
+                "5-shot HM",
+            ),
         ]
         for j in (fs, fn):
             g = j.result["generalized"]

@@ -38,13 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,
     )
-    p.add_argument("--model", type=Path, help="training run dir (default SNCA_MODEL or runs/demo)")
-    p.add_argument("--index", type=Path, help="index dir (default MODEL/index)")
-    p.add_argument(
-        "--store",
-        help="the gallery store: a SQLite file (default DATA_DIR/gallery.sqlite), or "
-        "postgresql://USER[:PASSWORD]@HOST:PORT/DB for replicas on several hosts",
-    )
+    from service.config import add_gallery_flags
+
+    add_gallery_flags(p)
     p.add_argument(
         "--workers",
         type=positive_int,
@@ -57,11 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the model, the vote and a gallery replica in a process of their own beside "
         "each worker's event loop (the default); --no-model-process: one process, the model on "
         "a thread (less memory, lower throughput)",
-    )
-    p.add_argument(
-        "--data-dir",
-        type=Path,
-        help="the gallery: store, snapshots, previous stores (default data/<model name>)",
     )
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")

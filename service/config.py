@@ -422,3 +422,21 @@ class Settings(BaseSettings):
     def store_is_default(self) -> bool:
         """The store is DATA_DIR/gallery.sqlite because none was named."""
         return not self._store_given
+
+
+def add_gallery_flags(p) -> None:
+    """The flags that say which model and gallery a command opens, as the settings of the same
+    names (snca-serve, and each snca-gallery command): --model, --index, --store, --data-dir."""
+    p.add_argument("--model", type=Path, help="training run dir (default SNCA_MODEL or runs/demo)")
+    p.add_argument("--index", type=Path, help="index dir (default MODEL/index)")
+    p.add_argument(
+        "--store",
+        help="the gallery store: a SQLite file (default DATA_DIR/gallery.sqlite), or "
+        "postgresql://USER[:PASSWORD]@HOST:PORT/DB (replicas on several hosts share one)",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        help="the gallery's data dir: store, snapshots, previous stores (default "
+        "data/<model name>)",
+    )

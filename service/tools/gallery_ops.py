@@ -269,6 +269,33 @@ def gallery_for(args: dict, settings) -> tuple[str, str]:
         h.close()
 
 
+def open_gallery(args: dict):
+    """(store, gen) of the gallery a command names, opened as found (no carry, no alias)."""
+    from service.store.registry import open_as_found
+
+    target, gen = gallery_for(args, settings_of(args))
+    return open_as_found(target), gen
+
+
+MAX_IDS = 1000  # ids per write (as the HTTP routes take)
+
+
+def write_by_label(args: dict, by_label: dict[str, list[int]], write) -> int:
+    """Each label's ids (duplicates dropped, in order, MAX_IDS a write) through
+    `write(store, gen, ids, label)` -> how many it changed, on the gallery `args` names; the
+    sum."""
+    store, gen = open_gallery(args)
+    done = 0
+    try:
+        for label, ids in sorted(by_label.items()):
+            ids = sorted(set(ids))
+            for s in range(0, len(ids), MAX_IDS):
+                done += write(store, gen, ids[s : s + MAX_IDS], label)
+    finally:
+        store.close()
+    return done
+
+
 def backup(args: dict, say=print) -> int:
     from service.store import backup as b
     from service.store.registry import backend_class

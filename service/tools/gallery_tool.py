@@ -62,14 +62,9 @@ class Entry:
 
 
 def _shared_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, help="training run dir (default SNCA_MODEL or runs/demo)")
-    p.add_argument("--index", type=Path, help="index dir (default MODEL/index)")
-    p.add_argument(
-        "--store",
-        help="the gallery store: a SQLite file (default DATA_DIR/gallery.sqlite) or "
-        "postgresql://USER[:PASSWORD]@HOST:PORT/DB",
-    )
-    p.add_argument("--data-dir", type=Path, help="the gallery's data dir (default data/<model>)")
+    from service.config import add_gallery_flags
+
+    add_gallery_flags(p)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
 

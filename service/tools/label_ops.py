@@ -17,9 +17,8 @@ from pathlib import Path
 
 from embedding.errors import SNCAError
 from service.gallery.labels import LabelInvalid, check_label, normalize_label
-from service.tools.gallery_ops import gallery_for, settings_of
+from service.tools.gallery_ops import MAX_IDS, open_gallery, settings_of, write_by_label
 
-MAX_IDS = 1000  # ids per write (as POST /gallery/relabel)
 MAX_ROWS = 1_000_000  # rows of one accept file
 
 
@@ -52,13 +51,6 @@ def add_parsers(sub, shared) -> None:
         shared(p)
 
 
-def _open(args: dict):
-    from service.store.registry import open_as_found
-
-    target, gen = gallery_for(args, settings_of(args))
-    return open_as_found(target), gen
-
-
 def _checked(label: str, settings) -> str:
     try:
         return check_label(label, settings.max_label_length)
@@ -72,7 +64,7 @@ def relabel(args: dict, say=print) -> int:
     ids = sorted({int(i) for i in args["ids"]})
     if any(i < 0 for i in ids):
         raise SNCAError("item ids are 0 or more")
-    store, gen = _open(args)
+    store, gen = open_gallery(args)
     try:
         moved = _relabel(store, gen, ids, label, say)
     finally:
@@ -105,7 +97,7 @@ def _rename(args: dict, new_key: str, merge: bool, say) -> int:
     old, new = normalize_label(args["label"]), _checked(args[new_key], settings)
     if old == new:
         raise SNCAError(f"{old!r} is {new!r} already")
-    store, gen = _open(args)
+    store, gen = open_gallery(args)
     try:
         seq, moved = store.rename(old, new, merge)
     except Refused as e:
@@ -166,13 +158,9 @@ def accept(args: dict, say=print) -> int:
     decisions = read_decisions(Path(args["file"]), settings)
     if not decisions:
         raise SNCAError(f"{args['file']} holds no id,label row")
-    store, gen = _open(args)
-    moved = 0
-    try:
-        for label, ids in sorted(decisions.items()):
-            moved += _relabel(store, gen, sorted(set(ids)), label, say)
-    finally:
-        store.close()
+    moved = write_by_label(
+        args, decisions, lambda st, gen, ids, label: _relabel(st, gen, ids, label, say)
+    )
     n = sum(len(v) for v in decisions.values())
     say(f"{moved} of {n} items moved ({n - moved} were there already, or are not live)")
     return 0

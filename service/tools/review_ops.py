@@ -20,13 +20,12 @@ import numpy as np
 from embedding.errors import SNCAError
 from service.gallery.labels import LabelInvalid, check_label
 from service.review import groups as grouping
-from service.tools.gallery_ops import gallery_for, settings_of
+from service.tools.gallery_ops import open_gallery, settings_of, write_by_label
 
 COLUMNS = (
     "queued_id", "group", "group_size", "label", "nearest_label", "answer", "margin",
     "unknown_reason", "created_at", "thumbnail",
 )  # fmt: skip
-MAX_IDS = 1000
 
 
 def add_parsers(sub, shared) -> None:
@@ -58,13 +57,6 @@ def add_parsers(sub, shared) -> None:
         shared(p)
 
 
-def _open(args: dict):
-    from service.store.registry import open_as_found
-
-    target, gen = gallery_for(args, settings_of(args))
-    return open_as_found(target), gen
-
-
 def _link(store) -> float:
     """groups.link_similarity from the store's live items (the label statistics a server
     keeps in memory, summed here)."""
@@ -84,7 +76,7 @@ def review_export(args: dict, say=print) -> int:
     out = Path(args["out"])
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SNCAError(f"{out} exists and is not an empty folder")
-    store, gen = _open(args)
+    store, gen = open_gallery(args)
     try:
         rows = store.queued(max(1, int(args.get("limit") or grouping.MAX_QUERIES)))
         link = _link(store)
@@ -155,18 +147,14 @@ def review_name(args: dict, say=print) -> int:
     named, _ = _read(Path(args["file"]), settings_of(args))
     if not named:
         raise SNCAError(f"{args['file']}: no row has a label")
-    store, gen = _open(args)
-    total = 0
-    try:
-        for label, ids in sorted(named.items()):
-            ids = sorted(set(ids))
-            for s in range(0, len(ids), MAX_IDS):
-                seq, new, _ = store.name_queued(ids[s : s + MAX_IDS], label)
-                total += len(new)
-                if seq:
-                    say(f"{gen}: write {seq}: {len(new)} queued queries are now {label!r}")
-    finally:
-        store.close()
+
+    def name(store, gen: str, ids: list[int], label: str) -> int:
+        seq, new, _ = store.name_queued(ids, label)
+        if seq:
+            say(f"{gen}: write {seq}: {len(new)} queued queries are now {label!r}")
+        return len(new)
+
+    total = write_by_label(args, named, name)
     asked = sum(len(v) for v in named.values())
     say(f"{total} of {asked} named ({asked - total} were not queued any more)")
     return 0
@@ -174,7 +162,7 @@ def review_name(args: dict, say=print) -> int:
 
 def review_dismiss(args: dict, say=print) -> int:
     _, blank = _read(Path(args["file"]), settings_of(args))
-    store, gen = _open(args)
+    store, gen = open_gallery(args)
     try:
         n = store.dismiss(sorted(set(blank))) if blank else 0
     finally:

@@ -129,6 +129,18 @@ def label_counts(client: httpx.Client) -> dict[str, int]:
             return out
 
 
+def run_beside(work: list, beside: list, stop) -> None:
+    """Start the threads `work` and `beside`; when every one of `work` has ended, set the event
+    `stop` (what `beside` loop on) and wait for `beside` to end too."""
+    for t in work + beside:
+        t.start()
+    for t in work:
+        t.join()
+    stop.set()
+    for t in beside:
+        t.join()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from .helpers import Server, of_class, png
+from .helpers import Server, of_class, png, run_beside
 
 
 def _add(c, label, image, n=1):
@@ -256,13 +256,7 @@ def test_interleaved_writes_and_reads_stay_consistent(base_run, tmp_path, fmnist
     writers = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
     readers = [threading.Thread(target=reader) for _ in range(2)]
     try:
-        for t in writers + readers:
-            t.start()
-        for t in writers:
-            t.join()
-        stop.set()
-        for t in readers:
-            t.join()
+        run_beside(writers, readers, stop)
     finally:
         server.kill(signal.SIGTERM)
     assert errors == []

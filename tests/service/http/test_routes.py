@@ -227,97 +227,35 @@ def _png_header(w, h):
 
 def test_bad_input_table(client, fmnist_test):
     good = png(fmnist_test, 0)
+
+    def image(data, field="image", name="a.png", ctype="image/png"):  # one file in the form
+        return {"files": {field: (name, data, ctype)}}
+
+    query = image(good)  # a good image to classify
+    gif, jpeg = png(fmnist_test, 0, "GIF"), png(fmnist_test, 0, "JPEG")
+
+    def add(**data):  # a good image added with these form fields
+        return {"data": data, "files": {"images": ("a.png", good, "image/png")}}
+
     cases = [
         ("no image field", "post", "/classify", {}, 422),
-        (
-            "wrong field name",
-            "post",
-            "/classify",
-            {"files": {"file": ("a.png", good, "image/png")}},
-            422,
-        ),
-        (
-            "0-byte file",
-            "post",
-            "/classify",
-            {"files": {"image": ("a.png", b"", "image/png")}},
-            400,
-        ),
-        (
-            "truncated PNG",
-            "post",
-            "/classify",
-            {"files": {"image": ("a.png", good[: len(good) // 2], "image/png")}},
-            400,
-        ),
-        (
-            "text named .png",
-            "post",
-            "/classify",
-            {"files": {"image": ("a.png", b"hello, world\n" * 20, "image/png")}},
-            415,
-        ),
-        (
-            "20000x20000 PNG",
-            "post",
-            "/classify",
-            {"files": {"image": ("a.png", _png_header(20000, 20000), "image/png")}},
-            413,
-        ),
-        ("k = 0", "post", "/classify?k=0", {"files": {"image": ("a.png", good, "image/png")}}, 422),
-        (
-            "k = 10^6",
-            "post",
-            "/classify?k=1000000",
-            {"files": {"image": ("a.png", good, "image/png")}},
-            422,
-        ),
-        (
-            "unknown vote",
-            "post",
-            "/classify?vote=majority",
-            {"files": {"image": ("a.png", good, "image/png")}},
-            422,
-        ),
-        (
-            "huge label",
-            "post",
-            "/gallery/add",
-            {"data": {"label": "x" * 10000}, "files": {"images": ("a.png", good, "image/png")}},
-            422,
-        ),
-        (
-            "empty label",
-            "post",
-            "/gallery/add",
-            {"data": {"label": "   "}, "files": {"images": ("a.png", good, "image/png")}},
-            422,
-        ),
-        (
-            "control chars in label",
-            "post",
-            "/gallery/add",
-            {"data": {"label": "a\x00b"}, "files": {"images": ("a.png", good, "image/png")}},
-            422,
-        ),
-        (
-            "bad JSON metadata",
-            "post",
-            "/gallery/add",
-            {
-                "data": {"label": "x", "metadata": "{nope"},
-                "files": {"images": ("a.png", good, "image/png")},
-            },
-            422,
-        ),
+        ("wrong field name", "post", "/classify", image(good, "file"), 422),
+        ("0-byte file", "post", "/classify", image(b""), 400),
+        ("truncated PNG", "post", "/classify", image(good[: len(good) // 2]), 400),
+        ("text named .png", "post", "/classify", image(b"hello, world\n" * 20), 415),
+        ("20000x20000 PNG", "post", "/classify", image(_png_header(20000, 20000)), 413),
+        ("k = 0", "post", "/classify?k=0", query, 422),
+        ("k = 10^6", "post", "/classify?k=1000000", query, 422),
+        ("unknown vote", "post", "/classify?vote=majority", query, 422),
+        ("huge label", "post", "/gallery/add", add(label="x" * 10000), 422),
+        ("empty label", "post", "/gallery/add", add(label="   "), 422),
+        ("control chars in label", "post", "/gallery/add", add(label="a\x00b"), 422),
+        ("bad JSON metadata", "post", "/gallery/add", add(label="x", metadata="{nope"), 422),
         (
             "metadata list of wrong length",
             "post",
             "/gallery/add",
-            {
-                "data": {"label": "x", "metadata": "[{}, {}]"},
-                "files": {"images": ("a.png", good, "image/png")},
-            },
+            add(label="x", metadata="[{}, {}]"),
             422,
         ),
         ("add without images", "post", "/gallery/add", {"data": {"label": "x"}}, 422),
@@ -331,27 +269,9 @@ def test_bad_input_table(client, fmnist_test):
         ("unknown label delete", "delete", "/gallery/labels/NoSuchLabel", {}, 404),
         ("unknown item delete", "delete", "/gallery/items/987654321", {}, 404),
         ("non-integer item id", "delete", "/gallery/items/abc", {}, 422),
-        (
-            "search k = 0",
-            "post",
-            "/search?k=0",
-            {"files": {"image": ("a.png", good, "image/png")}},
-            422,
-        ),
-        (
-            "GIF is fine",
-            "post",
-            "/classify",
-            {"files": {"image": ("a.gif", png(fmnist_test, 0, "GIF"), "image/gif")}},
-            200,
-        ),
-        (
-            "JPEG is fine",
-            "post",
-            "/classify",
-            {"files": {"image": ("a.jpg", png(fmnist_test, 0, "JPEG"), "image/jpeg")}},
-            200,
-        ),
+        ("search k = 0", "post", "/search?k=0", query, 422),
+        ("GIF is fine", "post", "/classify", image(gif, name="a.gif", ctype="image/gif"), 200),
+        ("JPEG is fine", "post", "/classify", image(jpeg, name="a.jpg", ctype="image/jpeg"), 200),
     ]
     before = client.get("/gallery/labels").json()
     for name, method, path, kw, expect in cases:

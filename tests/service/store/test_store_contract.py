@@ -78,21 +78,26 @@ def test_both_backends_create_the_same_tables():
         assert names == want, dialect
 
 
-def test_a_store_of_schema_5_gets_the_new_tables_and_keeps_its_writes(store, seed):
-    """Schema 6 added the tables tombstones and requests: a store written before gets them
-    (empty) when opened, on both backends, and its items stay."""
-    seq, ids = store.add("x", vecs(1), [None], [None])
-    drop = ["DROP TABLE tombstones", "DROP TABLE requests"]
+def _reopened_as_of(store, seed, version: int, drop: list[str]):
+    """`store` made to look written by schema `version` (`drop` run, the version set back),
+    closed and opened again: what opening an old store does to it."""
 
     def older(conn):
         for stmt in drop:
             conn.execute(stmt)
-        conn.execute(store.dialect.q(sql.SET_META), ("5", "schema_version"))
+        conn.execute(store.dialect.q(sql.SET_META), (str(version), "schema_version"))
 
     store.plain(older)
     cls, target = type(store), store.url if isinstance(store, SqliteStore) else store._dsn
     store.close()
-    again = cls(target, seed, FP, INDEX)
+    return cls(target, seed, FP, INDEX)
+
+
+def test_a_store_of_schema_5_gets_the_new_tables_and_keeps_its_writes(store, seed):
+    """Schema 6 added the tables tombstones and requests: a store written before gets them
+    (empty) when opened, on both backends, and its items stay."""
+    seq, ids = store.add("x", vecs(1), [None], [None])
+    again = _reopened_as_of(store, seed, 5, ["DROP TABLE tombstones", "DROP TABLE requests"])
     try:
         assert again.meta()["schema_version"] == "7"
         assert again.select("SELECT COUNT(*) FROM tombstones")[0][0] == 0
@@ -108,15 +113,7 @@ def test_a_store_of_schema_6_gets_its_label_deletes_as_label_changes(store, seed
     store written before gets the table, filled from its label tombstones, on both backends."""
     store.add("x", vecs(1), [None], [None])
     dseq, _ = store.delete(label="x")
-
-    def older(conn):
-        conn.execute("DROP TABLE label_changes")
-        conn.execute(store.dialect.q(sql.SET_META), ("6", "schema_version"))
-
-    store.plain(older)
-    cls, target = type(store), store.url if isinstance(store, SqliteStore) else store._dsn
-    store.close()
-    again = cls(target, seed, FP, INDEX)
+    again = _reopened_as_of(store, seed, 6, ["DROP TABLE label_changes"])
     try:
         assert again.meta()["schema_version"] == "7"
         got = again.select("SELECT seq, kind, name, new FROM label_changes")
