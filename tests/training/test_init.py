@@ -14,7 +14,7 @@ from torch import nn
 
 from embedding import EmbeddingNet, ModelConfig, save_model
 from embedding.errors import SNCAError
-from tests.helpers import run_cli
+from tests.helpers import cli_args, run_cli
 from training.init import initialise
 
 X = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
@@ -166,44 +166,46 @@ def test_bad_files_and_other_architectures_are_refused_clearly(tmp_path):
         initialise(grey, str(tmp_path / "rgb.pth"))
 
 
-def test_snca_train_init_records_its_source_in_the_model_card(tmp_path):
+# a tiny run: both tests below start a second run from it (trained once: tests/helpers.Models)
+TINY = dict(subset=300, val_size=60, epochs=1, batch_size=64)
+
+
+def test_snca_train_init_records_its_source_in_the_model_card(tmp_path, models):
     """The CLI end to end on a tiny run: a second run starts from the first's weights; its
     model card says from which file, with its sha256."""
-    tiny = ["--subset", "300", "--val-size", "60", "--epochs", "1", "--batch-size", "64"]
-    p = run_cli("training", *tiny, "--no-progress", "--out", tmp_path / "a")
-    assert p.returncode == 0, p.stderr
-    p = run_cli(
-        "training", *tiny, "--no-progress", "--out", tmp_path / "b", "--init", tmp_path / "a"
-    )
+    tiny = cli_args(TINY)
+    a, _ = models.run(**TINY)
+    p = run_cli("training", *tiny, "--no-progress", "--out", tmp_path / "b", "--init", a)
     assert p.returncode == 0, p.stderr
     assert "initialised from" in p.stdout + p.stderr
     card = json.loads((tmp_path / "b" / "model.json").read_text())
     init = card["training"]["init"]
     assert init["kind"] == "run" and init["embedding_layer"] == "loaded"
-    assert init["file"].endswith("a/model.safetensors") and init["sha256"].startswith("sha256:")
+    assert init["file"] == str(a / "model.safetensors") and init["sha256"].startswith("sha256:")
     p = run_cli("training", *tiny, "--no-progress", "--out", tmp_path / "c",
                 "--init", tmp_path / "nothing.pth")  # fmt: skip
     assert p.returncode == 2 and "no such file" in p.stderr, p.stderr
 
 
-def test_fine_tuning_freezes_stages_scales_the_backbone_lr_and_holds_batchnorm(tmp_path):
+def test_fine_tuning_freezes_stages_scales_the_backbone_lr_and_holds_batchnorm(tmp_path, models):
     """--freeze-stages 2 --backbone-lr 0.1 --bn-frozen after --init: the first two conv4 blocks
     and every backbone BatchNorm statistic end as they started, the later blocks and the
     embedding layer move; without the flags every block moves."""
     from embedding.artifacts import read_safetensors
 
-    tiny = ["--subset", "300", "--val-size", "60", "--epochs", "1", "--batch-size", "64"]
-    p = run_cli("training", *tiny, "--no-progress", "--out", tmp_path / "a")
-    assert p.returncode == 0, p.stderr
+    tiny = cli_args(TINY)
+    run, _ = models.run(**TINY)
     flags = ["--freeze-stages", "2", "--backbone-lr", "0.1", "--bn-frozen", "--lr", "0.5"]
     p = run_cli("training", *tiny, *flags, "--no-progress", "--out", tmp_path / "b",
-                "--init", tmp_path / "a")  # fmt: skip
+                "--init", run)  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert "froze 2 backbone stage(s)" in p.stdout + p.stderr
     p = run_cli("training", *tiny, "--lr", "0.5", "--no-progress", "--out", tmp_path / "c",
-                "--init", tmp_path / "a")  # fmt: skip
+                "--init", run)  # fmt: skip
     assert p.returncode == 0, p.stderr
-    a, b, c = (read_safetensors(tmp_path / r / "model.safetensors")[0] for r in "abc")
+    a, b, c = (
+        read_safetensors(r / "model.safetensors")[0] for r in (run, tmp_path / "b", tmp_path / "c")
+    )
 
     def same(x, k):
         return torch.equal(a[k], x[k])

@@ -63,21 +63,34 @@ def schemathesis(url: str, out: Path, *extra: str) -> tuple[int, int, int, str]:
     return p.returncode, generated, passed, p.stdout[-4000:]
 
 
+@pytest.fixture(scope="module")
+def servers(base_run, tmp_path_factory):
+    """{with a key configured: its server}, each started once for the module (the keyed one
+    serves two runs: with the wrong or no key, and with the key)."""
+    started = {}
+
+    def get(keyed: bool) -> Server:
+        if keyed not in started:
+            env = {"SNCA_MIN_VERSION_WAIT_S": "0"}  # (a 503 for a version not reached: at once)
+            if keyed:
+                env["SNCA_API_KEY"] = "fuzz-key"
+            started[keyed] = Server(base_run, tmp_path_factory.mktemp("fuzz") / "serve", env)
+        return started[keyed]
+
+    yield get
+    for server in started.values():
+        server.kill(15)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("key", [None, "wrong-or-missing", "fuzz-key"])
-def test_schemathesis_finds_no_5xx_and_no_schema_violation(base_run, tmp_path, key):
-    env = {"SNCA_MIN_VERSION_WAIT_S": "0"}  # (a 503 for a version not reached: at once)
-    if key:
-        env["SNCA_API_KEY"] = "fuzz-key"
-    server = Server(base_run, tmp_path / "serve", env)
-    try:
-        extra = ["-H", f"X-API-Key: {key}"] if key == "fuzz-key" else []
-        print(f"schemathesis seed {SEED} (SNCA_FUZZ_SEED={SEED} replays it)")
-        rc, generated, passed, out = schemathesis(server.url, tmp_path, *extra)
-        assert rc == 0, f"seed {SEED} (replay: SNCA_FUZZ_SEED={SEED}): {out}"
-        assert generated >= 10 * MAX_EXAMPLES and passed == generated, out
-        assert httpx.get(server.url + "/healthz").status_code == 200
-        print(f"schemathesis ({key or 'no key'}): {generated} cases, all passed")
-        assert "Traceback" not in server.read_log()  # nothing crashed inside either
-    finally:
-        server.kill(15)
+def test_schemathesis_finds_no_5xx_and_no_schema_violation(servers, tmp_path, key):
+    server = servers(key is not None)
+    extra = ["-H", f"X-API-Key: {key}"] if key == "fuzz-key" else []
+    print(f"schemathesis seed {SEED} (SNCA_FUZZ_SEED={SEED} replays it)")
+    rc, generated, passed, out = schemathesis(server.url, tmp_path, *extra)
+    assert rc == 0, f"seed {SEED} (replay: SNCA_FUZZ_SEED={SEED}): {out}"
+    assert generated >= 10 * MAX_EXAMPLES and passed == generated, out
+    assert httpx.get(server.url + "/healthz").status_code == 200
+    print(f"schemathesis ({key or 'no key'}): {generated} cases, all passed")
+    assert "Traceback" not in server.read_log()  # nothing crashed inside either
