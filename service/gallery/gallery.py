@@ -66,7 +66,17 @@ class Snapshot:
     view: GalleryView  # tensors over the rows (the embeddings are a view, not a copy)
     live: torch.Tensor | None  # (n,) bool, None when every row is live
     any_live: bool
-    embeddings_t: torch.Tensor  # (d, n) the rows transposed, contiguous (Rows.embeddings_t)
+    # (d, n) the rows transposed: at first a view of Rows' (d, capacity) matrix, a contiguous
+    # copy once the snapshot has served COPY_AFTER votes (Gallery._unfiltered)
+    embeddings_t: torch.Tensor
+    served: int = 0  # votes it has served
+
+
+# The contiguous copy of the transposed rows multiplies faster than the strided view of Rows'
+# (d, capacity) matrix (55,000 rows, one thread: 15.6 vs 17.7 ms a batch of 8, 69 vs 72 for 64,
+# the same for 1) but costs ~5.5 ms to make: made once a snapshot has served this many votes,
+# so a gallery written between most votes (writes beside classify load) never pays for it.
+COPY_AFTER = 2
 
 
 # Defaults measured on the 55,000-item Fashion-MNIST gallery (benchmarks/gallery_scale.py):
@@ -442,6 +452,9 @@ class Gallery:
         """The view every unfiltered classify needs, rebuilt only when the rows changed."""
         s = self._snapshot
         if s is not None and s.epoch == self.rows.epoch and s.num_labels == len(self.stats):
+            s.served += 1  # (readers race here harmlessly: at worst two make the copy)
+            if s.served == COPY_AFTER:
+                s.embeddings_t = s.embeddings_t.contiguous()
             return s
         labels = self.rows.labels
         live = labels >= 0
@@ -459,9 +472,7 @@ class Gallery:
             view,
             None if all_live else torch.from_numpy(live),
             bool(live.any()),
-            # contiguous (a copy, ~3 ms for 55,000 rows, once per change of the rows): a
-            # strided (d, n) view is no faster to multiply than (n, d).T at batches of 4+
-            torch.from_numpy(np.ascontiguousarray(self.rows.embeddings_t)),
+            torch.from_numpy(self.rows.embeddings_t),  # a view until COPY_AFTER votes
         )
         self._snapshot = s
         return s

@@ -91,3 +91,21 @@ def test_kde_onehot_and_scatter_paths_agree():
     sparse = kde_log_density(s, lab, 7, 0.05, kde_prepare(lab, 7, 0.05, onehot_limit=0))
     assert kde_prepare(lab, 7, 0.05, onehot_limit=0)[2] is None
     assert torch.allclose(dense, sparse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,c", [(0, 3), (1, 1), (500, 7), (20000, 10), (300, 40000)])
+def test_prepared_one_hot_and_label_groups_are_the_plain_ones(n, c):
+    """The fast paths (one-hot written in its dtype; labels sorted as 16-bit keys) give exactly
+    what F.one_hot and torch's stable argsort give, -1 (deleted) rows included."""
+    from embedding.openset import label_groups
+    from embedding.votes import kde_prepare
+
+    g = torch.Generator().manual_seed(n + c)
+    lab = torch.randint(-1, c, (n,), generator=g)
+    for temperature in (0.05, 0.01):  # float32 and float64 kernels
+        lab_c, _, onehot = kde_prepare(lab, c, temperature, onehot_limit=1 << 30)
+        want = F.one_hot(lab_c, c + 1).to(onehot.dtype)
+        assert onehot.dtype == want.dtype and torch.equal(onehot, want)
+    order, starts = label_groups(lab, c)
+    assert torch.equal(order, torch.argsort(lab, stable=True))
+    assert int(starts[0]) == int((lab < 0).sum()) and int(starts[-1]) == n

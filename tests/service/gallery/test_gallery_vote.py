@@ -140,3 +140,26 @@ def test_every_rule_that_claims_the_fused_path_takes_it_and_matches_its_own_vote
             assert f.label == s.label, name
             for (_, pf), (_, ps) in zip(f.probabilities, s.probabilities, strict=True):
                 assert pf == pytest.approx(ps, abs=1e-6), name
+
+
+def test_the_snapshot_votes_on_a_view_of_the_rows_then_on_a_copy_with_the_same_answers():
+    """After a write the first votes read the rows' (d, capacity) matrix through a strided view
+    (no copy per write); once the snapshot has served COPY_AFTER votes they read a contiguous
+    copy. The answers are the same either way, and a write starts over with a view."""
+    rng = np.random.default_rng(7)
+    g = _gallery(rng)  # 545 rows in a matrix of 1,024 columns: the view is strided
+    q = _unit(rng, 6)
+    first = g.classify(q, "kde_shrunk", 30)
+    assert not g._snapshot.embeddings_t.is_contiguous()
+    later = [g.classify(q, "kde_shrunk", 30) for _ in range(gallery_mod.COPY_AFTER)]
+    assert g._snapshot.embeddings_t.is_contiguous()
+    for answers in later:  # (one product on two layouts: equal to float32 rounding)
+        for a, b in zip(first, answers, strict=True):
+            assert a.label == b.label
+            assert a.unknown_score == pytest.approx(b.unknown_score, abs=1e-6)
+            assert [x for x, _ in a.probabilities] == [x for x, _ in b.probabilities]
+            for (_, pa), (_, pb) in zip(a.probabilities, b.probabilities, strict=True):
+                assert pa == pytest.approx(pb, abs=1e-6)
+    g.apply_add([10_000], "c", _unit(rng, 1), 99)
+    _compare(g, q)  # the step-by-step vote agrees on the view made after the write
+    assert not g._snapshot.embeddings_t.is_contiguous()
