@@ -191,10 +191,16 @@ def test_sigterm_lets_in_flight_requests_finish(base_run, tmp_path, fmnist_test)
     # In flight = begun well before the signal. A request sent just before it may still sit in
     # the listen backlog or have its headers unread; uvicorn closes such connections on
     # shutdown (the server never started them), so those may be dropped, never the others.
-    in_flight = [o for began, _, o in outcomes if began < t0 - 0.25]
+    # A refusal is a connection never accepted: fine once the signal closed the listener (a
+    # client begun earlier may connect only then on a busy machine), never before it.
+    in_flight = [(o, ended) for began, ended, o in outcomes if began < t0 - 0.25]
     late = [o for began, _, o in outcomes if began >= t0 - 0.25]
-    done = [o for o in in_flight if o == 32]
-    bad = [o for o in in_flight if o != 32]
+    done = [o for o, _ in in_flight if o == 32]
+    bad = [
+        (o, ended - t0)
+        for o, ended in in_flight
+        if o != 32 and not (o == "refused" and ended >= t0)
+    ]
     bad += [o for o in late if o not in (32, "refused") and not str(o).startswith("dropped")]
     # uvicorn shuts down gracefully, then re-raises SIGTERM so the parent sees it: -15 (143)
     assert code in (0, -signal.SIGTERM) and took < 30
