@@ -4,7 +4,6 @@ Store): the records, the errors, and the byte layout of vectors."""
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,18 +55,18 @@ class StoreStandby(StoreUnavailable):
     or one is being built from this one). Writes answer 503; reads go on."""
 
 
-def _model_named(value: str, detail: str) -> str:
-    """'model <fingerprint>... (<detail>)' of a JSON record naming a gallery's model (`detail`
-    a format of its other fields), "another model" when the record cannot be read."""
+def _model_named(value: str, field: str, prefix: str = "") -> str:
+    """'model <fingerprint>... (<prefix><field's value>)' of a JSON record naming a gallery's
+    model, "another model" when the record cannot be read."""
     try:
         rec = json.loads(value)
-        return f"model {str(rec.get('model_fingerprint', '?'))[:19]}... ({detail.format_map(defaultdict(lambda: None, rec))})"
-    except (ValueError, AttributeError, TypeError):
+        return f"model {str(rec.get('model_fingerprint', '?'))[:19]}... ({prefix}{rec.get(field)})"
+    except (ValueError, AttributeError):
         return "another model"
 
 
 def standby_message(value: str) -> str:
-    what = _model_named(value, "{gen}")
+    what = _model_named(value, "gen")
     return (
         f"this gallery is on standby: the live gallery is {what}; write through the replicas "
         "of the live model (snca-gallery galleries lists them)"
@@ -75,7 +74,7 @@ def standby_message(value: str) -> str:
 
 
 def carried_away_message(value: str) -> str:
-    what = _model_named(value, "index {index_id}")
+    what = _model_named(value, "index_id", "index ")
     return (
         f"the gallery was carried to {what} by another process; this process serves the model "
         "it had before and can no longer write it: restart it with the new model"
