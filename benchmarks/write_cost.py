@@ -1,7 +1,9 @@
 """What one write costs a process that holds a dense gallery and votes on it (issue 55, point 4):
 the write itself (Gallery.apply_add: rows, statistics, open-set recalibration) and the first
-classify after it, which rebuilds what every unfiltered vote reads (the rows' contiguous
-transposed copy, the kde one-hot, the label groups), against a classify with nothing changed.
+classify after it, which brings up to date what every unfiltered vote reads (the snapshot; kde's
+one-hot and the label groups, kept write by write since service/gallery/label_tables.py; until
+then made anew, with a contiguous copy of the transposed rows once a snapshot had served two
+votes), against a classify with nothing changed.
 Both processes of a worker (the front and its model process) hold the gallery, so at W writes/s
 beside classify load each pays about W x (write + rebuild) of CPU a second.
 

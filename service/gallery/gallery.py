@@ -14,6 +14,7 @@ takes exclusively, so no reader ever sees a half-applied write.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ from embedding.world import DEFAULT_TPR as WORLD_TPR
 from embedding.world import WorldFit
 from service.gallery.compiled import ONEHOT_MAX_LABELS, scripted_kde_top
 from service.gallery.diagnostics import Diagnostics, diagnose, world_warning
+from service.gallery.label_tables import LabelTables
 from service.gallery.lock import RWLock
 from service.gallery.openset import OpenSet
 from service.gallery.query import VoteQuery
@@ -66,17 +68,7 @@ class Snapshot:
     view: GalleryView  # tensors over the rows (the embeddings are a view, not a copy)
     live: torch.Tensor | None  # (n,) bool, None when every row is live
     any_live: bool
-    # (d, n) the rows transposed: at first a view of Rows' (d, capacity) matrix, a contiguous
-    # copy once the snapshot has served COPY_AFTER votes (Gallery._unfiltered)
-    embeddings_t: torch.Tensor
-    served: int = 0  # votes it has served
-
-
-# The contiguous copy of the transposed rows multiplies faster than the strided view of Rows'
-# (d, capacity) matrix (55,000 rows, one thread: 15.6 vs 17.7 ms a batch of 8, 69 vs 72 for 64,
-# the same for 1) but costs ~5.5 ms to make: made once a snapshot has served this many votes,
-# so a gallery written between most votes (writes beside classify load) never pays for it.
-COPY_AFTER = 2
+    embeddings_t: torch.Tensor  # (d, n) the rows transposed: a view of Rows' padded matrix
 
 
 # Defaults measured on the 55,000-item Fashion-MNIST gallery (benchmarks/gallery_scale.py):
@@ -111,6 +103,8 @@ class Gallery:
         self.rows = Rows(dim)
         self.stats = LabelStats(dim)
         self._snapshot: Snapshot | None = None
+        self._snapshot_lock = threading.Lock()
+        self._tables = LabelTables(temperature)  # kept write by write (label_tables.py)
         self._checksum: tuple | None = None
         self.openset = OpenSet(dim, unknown_k)
         self.worlds = Worlds(world, world_tpr)
@@ -449,33 +443,39 @@ class Gallery:
             return sims, ids, names
 
     def _unfiltered(self) -> Snapshot:
-        """The view every unfiltered classify needs, rebuilt only when the rows changed."""
+        """The view every unfiltered classify needs, made anew only when the rows changed; the
+        label tables it reads (kde's one-hot, the label groups) kept write by write."""
         s = self._snapshot
         if s is not None and s.epoch == self.rows.epoch and s.num_labels == len(self.stats):
-            s.served += 1  # (readers race here harmlessly: at worst two make the copy)
-            if s.served == COPY_AFTER:
-                s.embeddings_t = s.embeddings_t.contiguous()
             return s
-        labels = self.rows.labels
-        live = labels >= 0
-        view = GalleryView(
-            torch.from_numpy(self.rows.embeddings),  # a view: the matrix is replaced to grow
-            torch.from_numpy(labels.copy()),
-            torch.from_numpy(self.stats.sums.copy()),
-            torch.from_numpy(self.stats.counts.copy()),
-            self.temperature,
-        )
-        all_live = bool(live.all())
-        s = Snapshot(
-            self.rows.epoch,
-            len(self.stats),
-            view,
-            None if all_live else torch.from_numpy(live),
-            bool(live.any()),
-            torch.from_numpy(self.rows.embeddings_t),  # a view until COPY_AFTER votes
-        )
-        self._snapshot = s
-        return s
+        with self._snapshot_lock:  # readers of one epoch: one makes it, the others take it
+            s = self._snapshot
+            if s is not None and s.epoch == self.rows.epoch and s.num_labels == len(self.stats):
+                return s
+            self._tables.sync(self.rows, len(self.stats))
+            labels = self.rows.labels
+            live = labels >= 0
+            view = GalleryView(
+                torch.from_numpy(self.rows.embeddings),  # a view: the matrix is replaced to grow
+                torch.from_numpy(labels.copy()),
+                torch.from_numpy(self.stats.sums.copy()),
+                torch.from_numpy(self.stats.counts.copy()),
+                self.temperature,
+            )
+            # what Kde.prepared and _groups would derive from the view's labels, already kept
+            view.cache["kde"] = self._tables.prepared()
+            view.cache["groups"] = self._tables.groups()
+            all_live = bool(live.all())
+            s = Snapshot(
+                self.rows.epoch,
+                len(self.stats),
+                view,
+                None if all_live else torch.from_numpy(live),
+                bool(live.any()),
+                torch.from_numpy(self.rows.embeddings_t),  # a view: as fast as a copy (PAD_T)
+            )
+            self._snapshot = s
+            return s
 
     def _filtered(self, allowed_labels: np.ndarray) -> tuple[GalleryView, torch.Tensor, bool]:
         """A view in which labels outside `allowed_labels` have no items."""

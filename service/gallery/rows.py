@@ -10,6 +10,17 @@ from __future__ import annotations
 
 import numpy as np
 
+# Touched row ranges a Rows journals for its reader (LabelTables) before it gives up on them
+# (the reader then makes its tables anew): bounds the journal of a process that never votes.
+TOUCHED_MAX = 64
+
+# Spare columns of the transposed matrix (d, capacity + PAD_T): its rows lie capacity + 64
+# floats apart, never a multiple of 4 KB. At a power-of-two capacity (it doubles from 1,024)
+# every row of a panel the product reads fell in the same cache sets: a batch of 8 against a
+# (128, 55,000) view of (128, 65,536) took 10.4 ms, of (128, 65,600) 7.0, as a contiguous
+# copy (one thread, AMD EPYC; benchmarks/write_cost.py, docs/PERFORMANCE.md).
+PAD_T = 64
+
 
 class LabelStats:
     """Labels by name with a stable label id each (ids are never reused while the process
@@ -67,11 +78,11 @@ class Rows:
     up Q·K' ids per batch). `epoch` changes whenever rows or their labels change: what a reader
     derived from them (GalleryView) is stale when its epoch differs.
 
-    The dense path also keeps the matrix transposed, (d, capacity): a batch's similarities are
-    queries (B, d) @ (d, n) contiguous (the gallery's snapshot copies it, a plain copy of rows),
-    which multiplies 1.1-3.6x faster than against (n, d).T at the batch sizes a server runs
-    (55,000 rows, one thread: 0.68 vs 2.48 ms for one query, 3.4 vs 4.6 for 8, 12.8 vs 14.3 for
-    64; docs/PERFORMANCE.md).
+    The dense path also keeps the matrix transposed, (d, capacity + PAD_T): a batch's
+    similarities are queries (B, d) @ (d, n), a view of it, which multiplies 1.1-3.6x faster
+    than against (n, d).T at the batch sizes a server runs (55,000 rows, one thread: 0.68 vs
+    2.48 ms for one query, 3.4 vs 4.6 for 8, 12.8 vs 14.3 for 64; docs/PERFORMANCE.md), and as
+    fast as a contiguous copy of it (PAD_T), so a write costs no copy.
 
     Bytes per item: 24 (id, label, row of id) + 8·d with the dense matrices."""
 
@@ -79,12 +90,30 @@ class Rows:
         self.dim = dim
         self.dense = dense
         self._emb = np.zeros((capacity if dense else 0, dim), dtype=np.float32)
-        self._emb_t = np.zeros((dim, capacity if dense else 0), dtype=np.float32)  # (d, cap)
+        width = capacity + PAD_T if dense else 0
+        self._emb_t = np.zeros((dim, width), dtype=np.float32)  # (d, capacity + PAD_T)
         self._label = np.full(capacity, -1, dtype=np.int64)  # -1: deleted row
         self._id = np.full(capacity, -1, dtype=np.int64)
         self._row_of = np.full(capacity, -1, dtype=np.int64)  # item id -> row, -1: none
         self.n = 0
         self.epoch = 0
+        # row ranges [a, b) whose labels changed since take_touched (appends included); None:
+        # too many, or rows moved (compaction): a reader makes what it derived anew
+        self._touched: list[tuple[int, int]] | None = []
+
+    def _touch(self, a: int, b: int) -> None:
+        t = self._touched
+        if t is not None:
+            if len(t) >= TOUCHED_MAX:
+                self._touched = None
+            else:
+                t.append((a, b))
+
+    def take_touched(self) -> list[tuple[int, int]] | None:
+        """The row ranges touched since the last call (None: too many or moved); the journal
+        restarts empty."""
+        t, self._touched = self._touched, []
+        return t
 
     @property
     def embeddings(self) -> np.ndarray:
@@ -96,7 +125,7 @@ class Rows:
 
     @property
     def embeddings_t(self) -> np.ndarray:
-        """(d, n) float32: `embeddings` transposed, a view (rows `capacity` apart)."""
+        """(d, n) float32: `embeddings` transposed, a view (rows capacity + PAD_T apart)."""
         if not self.dense:
             raise RuntimeError("this gallery keeps no dense embedding matrix")
         return self._emb_t[:, : self.n]
@@ -116,6 +145,7 @@ class Rows:
         self.dense = False
         self._emb = np.zeros((0, self.dim), dtype=np.float32)
         self._emb_t = np.zeros((self.dim, 0), dtype=np.float32)
+        self._touched = None
         self.epoch += 1
 
     def append(self, ids: np.ndarray, label: int, emb: np.ndarray) -> None:
@@ -142,6 +172,7 @@ class Rows:
         self._id[r : r + n] = ids
         self._row_of[ids] = np.arange(r, r + n)
         self.n += n
+        self._touch(r, r + n)
         self.epoch += 1
 
     def _row(self, item_id: int) -> int:
@@ -156,6 +187,7 @@ class Rows:
         self._row_of[int(item_id)] = -1
         c = int(self._label[row])
         self._label[row] = -1
+        self._touch(row, row + 1)
         self.epoch += 1
         return c
 
@@ -167,6 +199,7 @@ class Rows:
             return None
         c = int(self._label[row])
         self._label[row] = label
+        self._touch(row, row + 1)
         self.epoch += 1
         return c
 
@@ -206,4 +239,5 @@ class Rows:
         self.n = m
         self._row_of[:] = -1
         self._row_of[self._id[:m]] = np.arange(m)
+        self._touched = None  # every row may have moved
         self.epoch += 1
