@@ -52,6 +52,16 @@ def service(r: dict) -> float:
     return front(r) + r["server_cpu_us"].get("model_process", 0.0)
 
 
+def medians(rounds: list[dict]) -> dict:
+    """Medians over rounds of one setting: classify/s, the front's and the service's CPU per
+    request (us)."""
+    return {
+        "rps": statistics.median(r["rps"] for r in rounds),
+        "front_cpu_us": statistics.median(front(r) for r in rounds),
+        "service_cpu_us": statistics.median(service(r) for r in rounds),
+    }
+
+
 def describe(r: dict) -> str:
     return (
         f"{r['rps']:6.0f}/s errors {r['errors']}  CPU us/request: front {front(r):.0f} "

@@ -17,7 +17,6 @@ import json
 import multiprocessing as mp
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import benchmarks.service_load as sl  # noqa: E402
-from benchmarks.image_body import front, service  # noqa: E402
+from benchmarks.image_body import front, medians, service  # noqa: E402
 
 LUA = """wrk.method = "POST"
 wrk.headers["Content-Type"] = "{ctype}"
@@ -106,15 +105,7 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    med = {
-        who: {
-            "rps": statistics.median(r["rps"] for r in rs),
-            "front_cpu_us": statistics.median(front(r) for r in rs),
-            "service_cpu_us": statistics.median(service(r) for r in rs),
-            "errors": sum(r["errors"] for r in rs),
-        }
-        for who, rs in got.items()
-    }
+    med = {who: medians(rs) | {"errors": sum(r["errors"] for r in rs)} for who, rs in got.items()}
     o, w = med["ours"], med["wrk"]
     print(
         f"medians of {a.rounds} at c={a.concurrency}, {run}: ours {o['rps']:.0f}/s (front "

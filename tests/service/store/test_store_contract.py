@@ -482,3 +482,18 @@ def test_the_review_queue_keeps_its_bounds_and_a_named_group_is_one_add(store):
     assert [json.loads(it.metadata)["review"]["answered"] for it in items] == [None, None]
     assert all(it.thumbnail == b"t" * 100 and it.image is None for it in items)
     assert store.dismiss([1008, 5]) == 1 and store.queue_totals() == (0, 0)
+
+
+def test_the_followers_read_of_the_changes_walks_the_seq_indexes_not_every_item(seed, tmp_path):
+    """changes_after runs after every write in every process: SQLite must find the rows by
+    add_seq and deleted_seq, not walk all items (embeddings included) in id order, which an
+    ORDER BY on the union itself made it do (~30 ms a write at 55,000 trained items)."""
+    s = SqliteStore(tmp_path / "data" / "gallery.sqlite", seed, FP, INDEX)
+    try:
+        plan = s.conn.execute("EXPLAIN QUERY PLAN " + sql.SQLITE.q(sql.CHANGES), (1, 1, 1))
+        steps = [row[-1] for row in plan]
+    finally:
+        s.close()
+    assert any("USING INDEX items_add_seq" in x for x in steps), steps
+    assert any("USING INDEX items_deleted_seq" in x for x in steps), steps
+    assert not any(x.startswith("SCAN items") for x in steps), steps
