@@ -82,6 +82,12 @@ class EmbeddingNet(nn.Module):
         super().__init__()
         self.config = cfg
         self.backbone, self.feature_dim = build_backbone(cfg)
+        # oneDNN's convolutions and pools run NHWC natively: with the weights channels-last every
+        # conv takes that path (the input is converted once, in the first conv). On this 2-core
+        # CPU, batch 8: conv4 3.6 -> 1.9 ms, EfficientNet-Lite0 277 -> 155-168, ResNet-18 285 ->
+        # 219; a conv4 training step (batch 128) 126 -> 88 ms. The same values: the weights'
+        # layout, not their numbers (state_dict, fingerprints and files are unchanged).
+        self.backbone.to(memory_format=torch.channels_last)
         self.embed = nn.Linear(self.feature_dim, cfg.embedding_dim)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""The serving path's preprocessing (embedding/transforms.py: eval_geometry + normalize_batch,
-on torch alone so that a serving process never imports torchvision) gives the very tensors of
-eval_transform (torchvision v2, what training, evaluation and the index builder use): random
+"""The preprocessing (embedding/transforms.py: eval_geometry + normalize_batch, per batch as the
+service runs it and per image as eval_transform, on torch alone so that a serving process never
+imports torchvision) gives the very tensors of torchvision v2's eval recipe: random
 images of every kind the service decodes, every interpolation, small and large models, and
 torchvision's float path on CPUs without native uint8 resizing."""
 
@@ -10,7 +10,23 @@ import torch
 from PIL import Image
 
 from embedding.config import ModelConfig
-from embedding.transforms import eval_geometry, eval_transform, normalize_batch
+from embedding.transforms import SMALL_IMAGE, eval_geometry, eval_transform, normalize_batch
+
+
+def v2_eval(cfg: ModelConfig):
+    """torchvision v2's eval recipe, the reference: small images resized to the model's size,
+    large ones' short side to size / crop_pct then the centre crop; ToDtype, Normalize."""
+    from torchvision.transforms import v2
+
+    from embedding.transforms import ToChannels, resize_side
+
+    if cfg.image_size <= SMALL_IMAGE:
+        geo = [v2.Resize((cfg.image_size, cfg.image_size), antialias=True)]
+    else:
+        mode = v2.InterpolationMode(cfg.interpolation)
+        geo = [v2.Resize(resize_side(cfg), mode, antialias=True), v2.CenterCrop(cfg.image_size)]
+    norm = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(cfg.mean), list(cfg.std))]
+    return v2.Compose([ToChannels(cfg.in_channels), *geo, *norm])
 
 
 def images(rng, n):
@@ -53,7 +69,7 @@ def test_the_serving_path_gives_eval_transforms_tensors_bit_for_bit(cfg, native,
     if not native:  # a CPU without AVX2: torchvision and this path both resize in float32
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     rng = np.random.default_rng(cfg.image_size + native)
-    ref, geo = eval_transform(cfg), eval_geometry(cfg)
+    ref, geo = v2_eval(cfg), eval_geometry(cfg)
     imgs = images(rng, 12)
     pixels = [geo(img) for img in imgs]
     assert all(p.dtype == torch.uint8 for p in pixels)
@@ -61,6 +77,8 @@ def test_the_serving_path_gives_eval_transforms_tensors_bit_for_bit(cfg, native,
     want = torch.stack([ref(img) for img in imgs])
     assert got.shape == want.shape == (12, cfg.in_channels, cfg.image_size, cfg.image_size)
     assert torch.equal(got, want), (got - want).abs().max()
+    one = torch.stack([eval_transform(cfg)(img) for img in imgs])  # per image, as training
+    assert torch.equal(one, want), (one - want).abs().max()
 
 
 def test_a_serving_process_does_not_import_torchvision():

@@ -49,7 +49,10 @@ def torchvision_resnet18(fc_out: int | None = None) -> nn.Module:
             if isinstance(m, nn.BatchNorm2d):
                 m.running_mean.uniform_(-0.1, 0.1)
                 m.running_var.uniform_(0.5, 1.5)
-    return net.eval()
+    # in the layout EmbeddingNet keeps its backbone (channels-last): the same kernels on both
+    # sides, so the tolerances below measure the weights' mapping (a wrong one differs by O(1)),
+    # not the ~2e-5 between NCHW and NHWC convolutions
+    return net.eval().to(memory_format=torch.channels_last)
 
 
 def pooled(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -252,7 +255,10 @@ def timm_resnet18():
             if isinstance(m, nn.BatchNorm2d):
                 m.running_mean.uniform_(-0.1, 0.1)
                 m.running_var.uniform_(0.5, 1.5)
-    return net.eval()
+    # in the layout EmbeddingNet keeps its backbone (channels-last): the same kernels on both
+    # sides, so the tolerances below measure the weights' mapping (a wrong one differs by O(1)),
+    # not the ~2e-5 between NCHW and NHWC convolutions
+    return net.eval().to(memory_format=torch.channels_last)
 
 
 def test_timm_weights_by_name_load_through_timm_with_their_preprocessing(tmp_path, monkeypatch):
