@@ -32,8 +32,10 @@ def outcomes(cfg: ModelConfig, img) -> torch.Tensor:
     "cfg, size",
     [
         (ModelConfig(in_channels=1, image_size=28, mean=(0.286,), std=(0.353,)), (28, 28)),
-        (ModelConfig(in_channels=3, image_size=32, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3)),
-         (40, 30)),  # fmt: skip  (resized first)
+        (
+            ModelConfig(in_channels=3, image_size=32, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3)),
+            (40, 30),  # resized to the model's size first
+        ),
     ],
 )
 def test_pad_crop_flip_draws_each_of_v2s_outcomes(cfg, size):
