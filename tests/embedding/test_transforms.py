@@ -10,7 +10,7 @@ from PIL import Image
 from embedding.config import ModelConfig
 from embedding.transforms import train_transform
 
-from .test_transforms_parity import v2_eval
+from .helpers import v2_eval
 
 
 def outcomes(cfg: ModelConfig, img) -> torch.Tensor:
