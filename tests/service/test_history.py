@@ -74,23 +74,30 @@ def untrained_models(base_run, new_model, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_no_acknowledged_write_is_lost_under_random_faults(
-    kind, request, base_run, new_model, tmp_path, fmnist_train
+    kind, request, base_run, new_model, tmp_path, fmnist_train, record_property
 ):
     pg = request.getfixturevalue("postgres") if kind == "postgresql" else None
-    _history(kind, {"a": base_run, "b": new_model}, pg, tmp_path, fmnist_train, trained=True)
+    models = {"a": base_run, "b": new_model}
+    _history(kind, models, pg, tmp_path, fmnist_train, record_property, trained=True)
 
 
 @pytest.mark.slow
 def test_no_acknowledged_write_is_lost_with_nothing_trained(
-    untrained_models, tmp_path, fmnist_train
+    untrained_models, tmp_path, fmnist_train, record_property
 ):
     """The same checker on two models served with nothing trained (SQLite: the store code
     is the backends' shared one; what differs here is the seed and the world check)."""
-    _history("sqlite", untrained_models, None, tmp_path, fmnist_train, trained=False)
+    _history("sqlite", untrained_models, None, tmp_path, fmnist_train, record_property, False)
 
 
-def _history(kind: str, models: dict, pg, tmp_path, fmnist_train, trained: bool) -> None:
+def _history(
+    kind: str, models: dict, pg, tmp_path, fmnist_train, record_property, trained: bool
+) -> None:
+    """`record_property`: pytest's; the seed and the phases' times go into the junit report,
+    which keeps no stdout of a passing test (a slow schedule, 260-340 s against ~60, could not
+    be replayed from CI's report)."""
     seed = seed_of(kind)
+    record_property("history_seed", seed)
     label = kind if trained else f"{kind}, nothing trained"
     print(f"\nhistory[{label}]: seed {seed} (SNCA_HISTORY_SEED={seed} replays its schedule)")
     backend = Backend(kind, tmp_path, pg)
@@ -164,6 +171,10 @@ def _history(kind: str, models: dict, pg, tmp_path, fmnist_train, trained: bool)
         cluster.stop_all()
         if pg is not None:
             pg.start_if_stopped()
+        t["stopped"] = time.monotonic()
+        at = ", ".join(f"{k} at {v - t['start']:.0f} s" for k, v in t.items() if k != "start")
+        record_property("history_phases", at)
+        record_property("history_operations", describe(journal, nemesis))
 
 
 def settle(cluster: Cluster, nemesis: Nemesis, pg) -> None:
