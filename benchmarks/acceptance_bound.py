@@ -20,9 +20,7 @@ served embedding), then per draw of the five, offline:
 
 from __future__ import annotations
 
-import argparse
 import io
-import json
 import os
 import sys
 from pathlib import Path
@@ -32,6 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks.command_line import write_report
 
 
 def embed(run: Path, blobs: list[bytes]) -> np.ndarray:
@@ -83,20 +83,11 @@ def label_relative(q: np.ndarray, g: np.ndarray, gl: np.ndarray) -> tuple[np.nda
 def main(argv: list[str] | None = None) -> int:
     import category_photos as cp
 
-    from embedding.datasets import load_raw
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("run", type=Path, help="the served photo model (make photos makes it)")
-    ap.add_argument("--shots", type=int, default=5)
-    ap.add_argument("--draws", type=int, default=30)
+    ap = cp.photo_parser(__doc__, draws=30)
     ap.add_argument("--floor", type=float, default=0.5, help="SNCA_UNKNOWN_SIMILARITY")
     ap.add_argument("--accept", type=float, default=0.85, help="members the relative rule takes")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    cats, other = cp.sets(cp.fetch())
-    fm = load_raw("fashion-mnist", "test")
-    other["Fashion-MNIST"] = [cp._png(fm.source.get(i)[0].numpy()) for i in range(0, 10000, 333)]
+    cats, other = cp.photo_sets()
     names = sorted(cats)
     print("embedding", sum(map(len, cats.values())) + sum(map(len, other.values())), "images",
           flush=True)  # fmt: skip
@@ -161,10 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {what}: named right {100 * s['named_right']:.1f}%, accepted "
               f"{100 * s['accepted']:.1f}%; unrelated unknown: "
               + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["unrelated_unknown"].items()))  # fmt: skip
-    if a.json:
-        a.json.write_text(json.dumps({"run": str(a.run), "shots": a.shots, "draws": a.draws,
-                                      "categories": {k: len(v) for k, v in cats.items()},
-                                      "summary": summary, "per_draw": rows}, indent=2) + "\n")  # fmt: skip
+    write_report(a.json, {"run": a.run, "shots": a.shots, "draws": a.draws,
+                          "categories": {k: len(v) for k, v in cats.items()},
+                          "summary": summary, "per_draw": rows})  # fmt: skip
     return 0
 
 

@@ -20,8 +20,6 @@ For each phase it prints
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -42,6 +40,8 @@ from service_load import (  # noqa: E402
     request_bytes,
     serve,
 )
+
+from benchmarks.command_line import parser, write_report  # noqa: E402
 
 # The server with timers around the model thread's batch, forward and vote; GET /_trace hands
 # the records over (and clears them). Each record is a few floats appended under the GIL.
@@ -126,15 +126,10 @@ def report(name: str, trace: dict, seconds: float) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__, seconds=6.0, port=8913)
     ap.add_argument("--model", default="conv4", help="bench model name or run dir")
     ap.add_argument("--rate", type=float, default=1000.0, help="open-loop requests/s")
-    ap.add_argument("--seconds", type=float, default=6.0, help="per phase")
     ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--port", type=int, default=8913)
-    ap.add_argument("--json", help="also write the summary here")
     a = ap.parse_args()
     if a.rate <= 0 or a.seconds <= 0 or a.max_batch < 1:
         ap.error("--rate and --seconds must be positive, --max-batch at least 1")
@@ -179,8 +174,7 @@ def main() -> None:
             cpu_s, wait_s = cpu - before[tid][0], wait - before[tid][1]
             out["threads"][name] = {"cpu_s": cpu_s, "run_queue_wait_s": wait_s}
             print(f"    {name}: CPU {cpu_s:.2f} s, waiting for a core {wait_s:.2f} s")
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_report(a.json, out)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.command_line import parser, write_report
+
 CACHE = Path(os.environ.get("SNCA_CACHE", Path.home() / ".cache" / "snca")) / "gcompris"
 PACKAGE = "gcompris-qt-data"
 RCC = ("categorization", "lang", "erase", "explore_farm_animals", "explore_world_animals",
@@ -159,13 +161,31 @@ def _png(a: np.ndarray) -> bytes:
     return b.getvalue()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def photo_parser(doc: str, draws: int) -> argparse.ArgumentParser:
+    """The options of a benchmark on these photos: the served model, shots, draws, seed (and
+    --json); `doc`'s first paragraph is its help."""
+    ap = parser(doc.split("\n\n")[0])
     ap.add_argument("run", type=Path, help="the pretrained photo model (make photos makes it)")
-    ap.add_argument("--shots", type=int, default=5)
-    ap.add_argument("--draws", type=int, default=5)
-    ap.add_argument("--paintings", type=int, default=60, help="paintings classified per draw")
+    ap.add_argument("--shots", type=int, default=5, help="photos registered per category (5)")
+    ap.add_argument("--draws", type=int, default=draws, help=f"draws of those photos ({draws})")
     ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def photo_sets() -> tuple[dict, dict]:
+    """(categories, unrelated sets) as PNG bytes: the package's photos, and Fashion-MNIST test
+    images (every 333rd) among the unrelated."""
+    from embedding.datasets import load_raw
+
+    cats, other = sets(fetch())
+    fm = load_raw("fashion-mnist", "test")
+    other["Fashion-MNIST"] = [_png(fm.source.get(i)[0].numpy()) for i in range(0, 10000, 333)]
+    return cats, other
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = photo_parser(__doc__, draws=5)
+    ap.add_argument("--paintings", type=int, default=60, help="paintings classified per draw")
     ap.add_argument("--vote", help="the /classify vote (default: the service's)")
     ap.add_argument(
         "--learn",
@@ -173,16 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="EPOCHS",
         help="then snca-gallery learn (this many epochs) and classify again on the learned model",
     )
-    ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    from embedding.datasets import load_raw
     from tests.service.helpers import make_client
 
-    cats, other = sets(fetch())
+    cats, other = photo_sets()
     print("categories:", {k: len(v) for k, v in cats.items()}, "unrelated:",
           {k: len(v) for k, v in other.items()}, flush=True)  # fmt: skip
-    fm = load_raw("fashion-mnist", "test")
-    other["Fashion-MNIST"] = [_png(fm.source.get(i)[0].numpy()) for i in range(0, 10000, 333)]
     rng = np.random.default_rng(a.seed)
     draws = []
     for draw in range(a.draws):
@@ -229,10 +245,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(worst {100 * worst:.1f}%), unknown {100 * mean['unknown']:.1f}%, wrong "
               f"{100 * mean['wrong']:.1f}%; unrelated unknown "
               + ", ".join(f"{k} {100 * v:.0f}%" for k, v in unrel.items()))  # fmt: skip
-    if a.json:
-        a.json.write_text(json.dumps({"source": f"Debian {PACKAGE}", "categories":
-                                      {k: len(v) for k, v in cats.items()}, "shots": a.shots,
-                                      "learn_epochs": a.learn, "draws": draws}, indent=2) + "\n")  # fmt: skip
+    write_report(a.json, {"source": f"Debian {PACKAGE}", "shots": a.shots, "learn_epochs": a.learn,
+                          "categories": {k: len(v) for k, v in cats.items()}, "draws": draws})  # fmt: skip
     return 0
 
 

@@ -11,7 +11,6 @@ The run needs its index dir (snca-build-index RUN --out RUN/index).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.command_line import write_report
 from benchmarks.novel_split import NovelSplit, parser, png
 from tests.service.helpers import Server
 
@@ -79,8 +79,7 @@ def main() -> int:
     m = {k: float(np.mean([r[k] for r in rows])) for k in ("novel", "base", "hm")}
     print(f"mean of {len(rows)} draws: novel {100 * m['novel']:.1f}% base {100 * m['base']:.1f}% "
           f"HM {m['hm']:.3f}")  # fmt: skip
-    if a.json:
-        a.json.write_text(json.dumps({"draws": rows, "mean": m}, indent=2))
+    write_report(a.json, {"draws": rows, "mean": m})
     return 0
 
 

@@ -17,7 +17,6 @@ on the event loop: a server whose cost per request does not fall under load.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import sys
 from pathlib import Path
@@ -27,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from service_load import RUNS, latency_ratio, print_rows, query_png, serve, start_app  # noqa: E402
+
+from benchmarks.command_line import parser  # noqa: E402
 
 STUB = """
 import sys, time
@@ -67,9 +68,7 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", a
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__, report=False, seconds=6.0, port=8912)
     ap.add_argument("--model", default="conv4", help="bench model name or run dir")
     ap.add_argument("--batch-ms", type=float, default=0.6, help="sleep per batch")
     ap.add_argument("--per-image-ms", type=float, default=0.1, help="extra sleep per image")
@@ -80,8 +79,6 @@ def main() -> None:
         default=0.0,
         help="with --empty: busy CPU time per request on the event loop, in microseconds",
     )
-    ap.add_argument("--seconds", type=float, default=6.0)
-    ap.add_argument("--port", type=int, default=8912)
     a = ap.parse_args()
     if a.seconds <= 0 or min(a.batch_ms, a.per_image_ms, a.burn_us) < 0:
         ap.error("--seconds must be positive; --batch-ms, --per-image-ms, --burn-us not negative")

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from benchmarks import command_line
 from embedding.datasets import load_raw
 from embedding.rundir import RunDir
 
@@ -19,15 +20,13 @@ from embedding.rundir import RunDir
 def parser(doc: str, shots: int, draws: int, queries: str) -> argparse.ArgumentParser:
     """The flags every few-shot benchmark takes: the run, the novel classes, shots, draws and
     queries (`queries`: what they are, for --help)."""
-    ap = argparse.ArgumentParser(description=doc,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = command_line.parser(doc)
     ap.add_argument("run", type=Path)
     ap.add_argument("--novel", default="2,6,9", help="held-out class ids")
     ap.add_argument("--shots", type=int, default=shots)
     ap.add_argument("--draws", type=int, default=draws)
     ap.add_argument("--queries", type=int, default=600, help=queries)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path)
     return ap
 
 

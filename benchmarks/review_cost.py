@@ -11,25 +11,19 @@ query takes in the store.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.command_line import parser, write_report
 from benchmarks.world_cost import alternate, median
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = parser(__doc__, rounds=3, seconds=10.0, port=8917)
     ap.add_argument("run", type=Path, help="a run dir with its index (make run's: runs/demo)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--port", type=int, default=8917)
-    ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     settings = {
         "off": {"SNCA_REVIEW_QUEUE": "0"},
@@ -44,8 +38,7 @@ def main() -> int:
     for k, v in summary.items():
         print(f"queue {k}: median {v['rps']:.0f}/s ({v['vs_off']:.3f} of off), p50 "
               f"{v['p50_ms']:.2f} ms, p99 {v['p99_ms']:.2f} ms")  # fmt: skip
-    if a.json:
-        a.json.write_text(json.dumps({"rounds": out, "summary": summary}, indent=2))
+    write_report(a.json, {"rounds": out, "summary": summary})
     return 0
 
 

@@ -16,7 +16,6 @@ a pipe in, a pipe out that the loop watches. Everything else is equal.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import sys
 from pathlib import Path
@@ -26,6 +25,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from service_load import _cpu_text, latency_ratio, query_png, start_app  # noqa: E402
+
+from benchmarks.command_line import parser  # noqa: E402
 
 APP = r"""
 import asyncio, hashlib, os, queue, struct, sys, threading, time, uvicorn
@@ -131,16 +132,12 @@ def measure(mode: str, a, pool) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__, report=False, seconds=5.0, port=8914)
     ap.add_argument("--pre-us", type=float, default=150.0, help="loop Python before the model")
     ap.add_argument("--post-us", type=float, default=100.0, help="loop Python after it")
     ap.add_argument("--model-us", type=int, default=300, help="model CPU per batch")
     ap.add_argument("--per-image-us", type=int, default=100, help="model CPU per image")
     ap.add_argument("--repeats", type=int, default=1, help="thread/process pairs to run")
-    ap.add_argument("--seconds", type=float, default=5.0, help="per level")
-    ap.add_argument("--port", type=int, default=8914)
     a = ap.parse_args()
     if min(a.pre_us, a.post_us, a.model_us, a.per_image_us) < 0 or a.seconds <= 0:
         ap.error("times must not be negative and --seconds must be positive")

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
+from benchmarks.command_line import parser, write_report
 from embedding import EmbeddingNet, ModelConfig
 from embedding.sysalloc import keep_freed_memory
 from training.memory import MemoryBank
@@ -206,9 +207,7 @@ def bench(args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--n", type=int, default=60000, help="memory slots N")
     p.add_argument("--d", type=int, default=128, help="embedding dim d")
     p.add_argument("--batch", type=int, default=128, help="batch size B")
@@ -221,7 +220,6 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if not args.memory_only:
@@ -247,8 +245,7 @@ def main() -> None:
             f"straightforward {a['nca_plain_ms']:6.1f} ms ({a['plain_over_fused']:.2f}x fused) | "
             f"fused with {r['other_strategy']} sums {a['nca_fused_other_strategy_ms']:6.1f} ms"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=2) + "\n")
+    write_report(args.json, r)
 
 
 if __name__ == "__main__":

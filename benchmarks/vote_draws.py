@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedding.votes import RULES
+from training.protocols import novel_base_hm
 
 TOP = 256  # base neighbours kept per query (the kNN-type rules read at most this many)
 
@@ -266,8 +267,7 @@ def draws(p, b: Base, q, qy, rules: list[str], shots: int, n: int, k: int, seed:
             per[r].append((ok[novel].mean().item(), ok[~novel].mean().item()))
     out = {}
     for r, v in per.items():
-        nv, bv = np.array([x[0] for x in v]), np.array([x[1] for x in v])
-        hm = np.where(nv + bv > 0, 2 * nv * bv / np.maximum(nv + bv, 1e-12), 0.0)
+        nv, bv, hm = novel_base_hm(v)
         out[r] = {
             "hm_mean": float(hm.mean()),
             "hm_worst": float(hm.min()),

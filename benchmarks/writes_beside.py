@@ -15,8 +15,6 @@ every row on the dense path); each round starts each tree's server on a fresh da
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -31,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import benchmarks.service_load as sl  # noqa: E402
+from benchmarks.command_line import parser, write_report  # noqa: E402
 from benchmarks.image_body import front, medians, service  # noqa: E402
 
 
@@ -74,17 +73,12 @@ def one(pool, tree: Path, run: Path, port: int, a, req: bytes, png: bytes) -> di
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = parser(__doc__, seconds=15.0, rounds=3, port=8921)
     ap.add_argument("--model", required=True, type=Path, help="run dir with an index")
     ap.add_argument("--base", required=True, type=Path, help="a worktree of the other commit")
     ap.add_argument("--connections", type=int, default=16, help="classify clients (keep-alive)")
     ap.add_argument("--write-rate", type=float, default=100.0, help="adds a second (0: none)")
     ap.add_argument("--writers", type=int, default=8, help="connections sharing the write rate")
-    ap.add_argument("--seconds", type=float, default=15.0, help="per measurement")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of (this, base), alternating")
-    ap.add_argument("--port", type=int, default=8921)
-    ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
     if not (a.model / "index" / "manifest.json").is_file():
         ap.error(f"{a.model} has no index (python -m index_builder RUN --out RUN/index)")
@@ -116,9 +110,7 @@ def main() -> int:
         f"us, writes {b['writes_per_s']:.0f}/s); this/base {t['rps'] / b['rps']:.2f}x classify/s, "
         f"{t['service_cpu_us'] / b['service_cpu_us']:.2f}x CPU per classify"
     )
-    if a.json:
-        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
-                                      "median": med, "rounds": got}, indent=1))  # fmt: skip
+    write_report(a.json, {"args": vars(a), "median": med, "rounds": got}, indent=1)
     return 0
 
 

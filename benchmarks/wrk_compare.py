@@ -12,8 +12,6 @@ request from /proc (the front and its model process), which does not depend on t
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import re
 import shutil
@@ -26,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import benchmarks.service_load as sl  # noqa: E402
+from benchmarks.command_line import parser, write_report  # noqa: E402
 from benchmarks.image_body import front, medians, service  # noqa: E402
 
 LUA = """wrk.method = "POST"
@@ -59,14 +58,9 @@ def wrk_level(exe: str, url: str, script: Path, conc: int, secs: float, pid: int
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = parser(__doc__, seconds=10.0, rounds=3, port=8919)
     ap.add_argument("--model", default=str(sl.RUNS["conv4"]), help="run dir with an index")
     ap.add_argument("--concurrency", type=int, default=16, help="keep-alive connections")
-    ap.add_argument("--seconds", type=float, default=10.0, help="per measurement")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of (ours, wrk), alternating")
-    ap.add_argument("--port", type=int, default=8919)
-    ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
     exe = shutil.which("wrk")
     if exe is None:
@@ -116,7 +110,7 @@ def main() -> int:
     if a.json:
         for rs in got["wrk"]:
             rs.pop("stdout", None)
-        a.json.write_text(json.dumps({"median": med, "rounds": got}, indent=1))
+        write_report(a.json, {"median": med, "rounds": got}, indent=1)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""argparse value types shared by the command-line tools (clear messages, no tracebacks)."""
+"""What the command-line tools share: argparse value types (clear messages, no tracebacks) and
+a parser that shows the tool's docstring as written."""
 
 from __future__ import annotations
 
@@ -21,3 +22,11 @@ def non_negative_int(s: str) -> int:
 
 def positive_int(s: str) -> int:
     return _int_from(s, 1, "a positive integer")
+
+
+def documented_parser(prog: str, doc: str | None, **kwargs) -> argparse.ArgumentParser:
+    """A tool's parser whose --help shows its module docstring as written (examples and tables
+    keep their lines); `kwargs` go to ArgumentParser."""
+    return argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs
+    )

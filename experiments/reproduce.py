@@ -25,7 +25,6 @@ file is kept), the figures are DOCS/figures/*.png, the raw numbers OUT/results.j
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -37,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from embedding.artifacts import atomic_write_bytes
+from embedding.cliutil import documented_parser
 from embedding.errors import SNCAError
 from embedding.rundir import RunDir
 
@@ -504,11 +504,7 @@ def write_report(path: Path, block: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m experiments.reproduce",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = documented_parser("python -m experiments.reproduce", __doc__)
     ap.add_argument(
         "--quick",
         action="store_true",

@@ -27,17 +27,12 @@ import signal
 import sys
 from pathlib import Path
 
-from embedding.cliutil import positive_int
+from embedding.cliutil import documented_parser, positive_int
 from embedding.errors import SNCAError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="snca-serve",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        argument_default=argparse.SUPPRESS,
-    )
+    p = documented_parser("snca-serve", __doc__, argument_default=argparse.SUPPRESS)
     from service.config import add_gallery_flags
 
     add_gallery_flags(p)

@@ -18,7 +18,6 @@ frozen penultimate features trained with the fine labels (the paper's reference 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from embedding.artifacts import read_safetensors
-from embedding.cliutil import positive_int
+from embedding.cliutil import documented_parser, positive_int
 from embedding.datasets import load_raw
 from embedding.errors import SNCAError
 from embedding.knn import knn_evaluate, knn_search, weighted_knn_vote
@@ -130,11 +129,7 @@ def closed_set(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m training.evaluate",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = documented_parser("python -m training.evaluate", __doc__)
     ap.add_argument("runs", type=Path, nargs="+", help="run dirs")
     ap.add_argument("--split", choices=("val", "test"), default="val")
     ap.add_argument("--ks", default="1,30", help="k values of the kNN vote (a sweep: 1,5,10,...)")

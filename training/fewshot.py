@@ -19,7 +19,6 @@ the novel classes alone (support and queries disjoint, kNN over the support with
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from embedding.cliutil import positive_int
+from embedding.cliutil import documented_parser, positive_int
 from embedding.datasets import load_raw
 from embedding.errors import SNCAError
 from embedding.inference import embed_images
@@ -39,7 +38,7 @@ from embedding.votes import VOTES, GalleryView, get_rule
 
 from .config import run_config
 from .datasets import build_data, stratified_pick
-from .protocols import episode_accuracy, mean_ci95, sample_episodes
+from .protocols import episode_accuracy, mean_ci95, novel_base_hm, sample_episodes
 
 
 @dataclass
@@ -184,8 +183,7 @@ def evaluate(
             per[r].append((ok[novel].mean().item(), ok[~novel].mean().item()))
     out = {}
     for r, v in per.items():
-        n, b = np.array([x[0] for x in v]), np.array([x[1] for x in v])
-        hm = np.where(n + b > 0, 2 * n * b / np.maximum(n + b, 1e-12), 0.0)
+        n, b, hm = novel_base_hm(v)
         out[r] = {name: _mean_ci(a) for name, a in (("novel", n), ("base", b), ("hm", hm))}
     return out
 
@@ -214,11 +212,7 @@ def run_episodes(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m training.fewshot",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = documented_parser("python -m training.fewshot", __doc__)
     ap.add_argument("run", type=Path, help="run dir of a model trained on base classes (--classes)")
     ap.add_argument("--novel", help="held-out class ids (default: every class not trained on)")
     ap.add_argument("--shots", default="1,5", help="K values, comma-separated")

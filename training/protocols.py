@@ -30,6 +30,14 @@ def mean_ci95(values) -> tuple[float, float]:
     return float(a.mean()), 1.96 * float(a.std(ddof=1)) / math.sqrt(a.size)
 
 
+def novel_base_hm(draws) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Generalized few-shot scores: `draws` [(novel top-1, base top-1)] a draw -> arrays (n,) of
+    novel, base and their harmonic mean 2nb / (n + b) (0 where both are 0)."""
+    a = np.asarray(draws, dtype=np.float64).reshape(-1, 2)
+    n, b = a[:, 0], a[:, 1]
+    return n, b, np.where(n + b > 0, 2 * n * b / np.maximum(n + b, 1e-12), 0.0)
+
+
 @dataclass(frozen=True)
 class Episode:
     support: np.ndarray  # (N*K,) item positions

@@ -11,7 +11,6 @@ A run dir trained before the world check gets its statistics this way without re
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from embedding import world
+from embedding.cliutil import documented_parser
 from embedding.errors import SNCAError
 from embedding.rundir import RunDir
 
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from .config import run_config
     from .datasets import build_data
 
-    ap = argparse.ArgumentParser(prog="python -m training.world_fit", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = documented_parser("python -m training.world_fit", __doc__)
     ap.add_argument("run", type=Path, help="a run dir")
     a = ap.parse_args(argv)
     try:

@@ -46,7 +46,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from embedding.cliutil import positive_int
+from embedding.cliutil import documented_parser, positive_int
 from embedding.errors import SNCAError
 from service.store.records import Keyed, StoreUnavailable
 from service.tools.tool_state import IMAGE_SUFFIXES, open_state, read_image_file
@@ -70,11 +70,7 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="snca-gallery",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = documented_parser("snca-gallery", __doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser(
         "import",

@@ -15,7 +15,6 @@ arguments.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -26,6 +25,7 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
+from embedding.cliutil import documented_parser
 from embedding.errors import ArtifactError
 from embedding.gallery import open_store
 
@@ -96,11 +96,7 @@ def read_added(store: Path, labels: set[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m service.tools.label_copy",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = documented_parser("python -m service.tools.label_copy", __doc__)
     ap.add_argument("store", type=Path, help="the old gallery store (SQLite), read only")
     ap.add_argument("url", help="the target service, e.g. http://127.0.0.1:8000")
     ap.add_argument("--labels", help="comma-separated labels to move (default: every added one)")

@@ -10,6 +10,7 @@ from training.protocols import (
     episode_accuracy,
     linear_probe,
     mean_ci95,
+    novel_base_hm,
     pca_fit,
     pca_project,
     sample_episodes,
@@ -23,6 +24,12 @@ def test_mean_ci95_formula():
     assert mean_ci95([0.7]) == (0.7, 0.0)
     with pytest.raises(ValueError):
         mean_ci95([])
+
+
+def test_novel_base_hm_hand_computed():
+    n, b, hm = novel_base_hm([(0.5, 1.0), (0.0, 0.0), (1.0, 0.25)])
+    assert n.tolist() == [0.5, 0.0, 1.0] and b.tolist() == [1.0, 0.0, 0.25]
+    np.testing.assert_allclose(hm, [2 * 0.5 / 1.5, 0.0, 2 * 0.25 / 1.25])
 
 
 def test_episodes_never_leak_support_into_queries_and_are_reproducible():
