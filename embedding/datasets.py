@@ -1,6 +1,8 @@
 """Raw image datasets as found on disk: Fashion-MNIST (IDX files), CIFAR-10/100 (torchvision),
 ImageFolder. Shared by training (which selects and splits them) and the index builder (which
-re-embeds the training images of a run by their dataset index).
+re-embeds the training images of a run by their dataset index). torch is imported by the
+loaders that make tensors: the dataset names alone cost no torch (snca-train refuses bad
+arguments before it loads torch).
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagefolder", "gallery")
 # datasets of image files in label folders: "gallery" is a served gallery's stored images,
@@ -163,6 +168,8 @@ def _find_file(dirs: list[Path], stem: str) -> Path | None:
 def load_fashion_mnist(
     split: str, data_dir: Path | None = None, download: bool = True
 ) -> RawDataset:
+    import torch
+
     prefix = "train" if split == "train" else "t10k"
     dirs = _fashion_candidates(data_dir)
     img_path = _find_file(dirs, f"{prefix}-images-idx3-ubyte")
@@ -213,6 +220,7 @@ def load_cifar(
 ) -> RawDataset:
     # torchvision verifies the md5 of every batch file before unpickling it (the official
     # CIFAR "python version" is pickled): a tampered file is rejected, not loaded.
+    import torch
     import torchvision
 
     root = data_dir or default_data_dir()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import SNCAError
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -12,6 +15,8 @@ DEVICES = ("auto", "cpu", "cuda")
 def resolve_device(name: str) -> torch.device:
     """'auto' (CUDA when present, else CPU), 'cpu' or 'cuda' -> a torch.device. Asking for CUDA
     on a machine without it is an error, never a silent fall-back to the CPU."""
+    import torch  # (here: the names above cost no torch)
+
     if name not in DEVICES:
         raise SNCAError(f"unknown device {name!r} (choose from {', '.join(DEVICES)})")
     if name == "cuda" and not torch.cuda.is_available():

@@ -10,22 +10,31 @@ and measure whether what was learnt is "not this world" rather than "not these f
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:
+    import torch
 
-Family = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+# torch is imported in the functions: the registry's names cost no torch (snca-train checks
+# --outlier-families before it loads torch)
+Family = Callable[["torch.Tensor", "torch.Generator"], "torch.Tensor"]
 
 
 def _u8(x: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return x.round().clamp(0, 255).to(torch.uint8)
 
 
 def uniform_noise(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    import torch
+
     return torch.randint(0, 256, x.shape, generator=g, dtype=torch.uint8)
 
 
 def gaussian_noise(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    import torch
+
     b = x.shape[0]
     mean = torch.rand(b, 1, 1, 1, generator=g) * 255
     std = 10 + torch.rand(b, 1, 1, 1, generator=g) * 80
@@ -34,6 +43,8 @@ def gaussian_noise(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 def flat(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """One grey (or colour) level over the whole image."""
+    import torch
+
     b, c = x.shape[:2]
     return _u8(torch.rand(b, c, 1, 1, generator=g) * 255).expand(x.shape).contiguous()
 
@@ -45,6 +56,9 @@ def inverted(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 def permuted_blurred(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """The image's own pixels in a random order, then blurred: its intensity histogram, no
     shape (Hendrycks et al.'s "permuted" family)."""
+    import torch
+    import torch.nn.functional as F
+
     b, c, h, w = x.shape
     perm = torch.randperm(h * w, generator=g)
     y = x.flatten(2)[:, :, perm].reshape(b, c, h, w).float()
@@ -53,6 +67,8 @@ def permuted_blurred(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 def patch_shuffled(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """The image cut in a 4 x 4 grid of patches, shuffled: local texture, no global shape."""
+    import torch
+
     b, c, h, w = x.shape
     n = 4
     ph, pw = h // n, w // n
@@ -67,12 +83,16 @@ def patch_shuffled(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 def mixture(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Two images of the batch blended half and half (two objects, neither)."""
+    import torch
+
     other = x[torch.randperm(x.shape[0], generator=g)]
     return _u8((x.float() + other.float()) / 2)
 
 
 def checkerboard(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Periodic patterns of random cell size and contrast (held out)."""
+    import torch
+
     b, c, h, w = x.shape
     out = torch.empty_like(x)
     for i in range(b):
@@ -86,6 +106,9 @@ def checkerboard(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 def smooth_noise(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Low-frequency random fields: blobs (held out)."""
+    import torch
+    import torch.nn.functional as F
+
     b, c, h, w = x.shape
     coarse = torch.rand(b, c, max(2, h // 7), max(2, w // 7), generator=g) * 255
     return _u8(F.interpolate(coarse, size=(h, w), mode="bicubic", align_corners=False))
@@ -93,6 +116,8 @@ def smooth_noise(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 def salt_pepper(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Black and white specks on mid grey (held out)."""
+    import torch
+
     r = torch.rand(x.shape, generator=g)
     out = torch.full_like(x, 128)
     out[r < 0.15] = 0
@@ -126,6 +151,8 @@ HELD_OUT = ("checkerboard", "smooth_noise", "salt_pepper")
 
 def make(x: torch.Tensor, families: tuple[str, ...], g: torch.Generator) -> torch.Tensor:
     """One outlier per image of `x` (uint8 (B, C, H, W)), each of a family drawn at random."""
+    import torch
+
     pick = torch.randint(0, len(families), (x.shape[0],), generator=g)
     out = torch.empty_like(x)
     for k, name in enumerate(families):

@@ -14,8 +14,14 @@ from embedding.cliutil import non_negative_int, positive_int
 from embedding.datasets import DATASETS
 from embedding.errors import SNCAError
 
-from .config import DEVICES, LOSSES, LR_SCHEDULES, TrainConfig, load_yaml_config
-from .memory import MOMENTUM_SCHEDULES
+from .config import (
+    DEVICES,
+    LOSSES,
+    LR_SCHEDULES,
+    MOMENTUM_SCHEDULES,
+    TrainConfig,
+    load_yaml_config,
+)
 
 # Options that may differ when resuming; everything else must match the interrupted run.
 RESUME_MAY_CHANGE = {"epochs", "device", "num_workers", "progress", "eval_every", "out", "data_dir"}
@@ -319,8 +325,6 @@ def _clean_message(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     from embedding.sysalloc import keep_freed_memory
 
-    from .distributed import init_distributed, shutdown_distributed
-
     parser = build_parser()
     args = parser.parse_args(argv)
     keep_freed_memory()
@@ -351,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         from embedding.device import resolve_device
 
+        from .distributed import init_distributed  # (torch: once the arguments held)
         from .trainer import train
 
         device = resolve_device(cfg.device)
@@ -393,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 130
     finally:
-        shutdown_distributed()
+        distributed = sys.modules.get(f"{__package__}.distributed")
+        if distributed is not None:  # (not imported: no process group was made)
+            distributed.shutdown_distributed()
 
 
 if __name__ == "__main__":

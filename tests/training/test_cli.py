@@ -190,3 +190,32 @@ def test_a_subset_keeps_most_of_itself_for_training():
     assert cfg.val_size == 3000
     cfg, _, _ = resolve_config(p.parse_args(["--out", "x"]))
     assert cfg.val_size == 5000
+
+
+def test_bad_arguments_are_refused_before_torch_is_loaded(tmp_path):
+    """snca-train parses and checks its arguments on the standard library, numpy and PIL: a
+    mistake is answered in a fraction of a second, not after torch's ~1.5 s import (the config
+    module and what it imports load no torch; training.distributed and the loaders import it
+    when the run starts)."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import sys
+        from training.cli import main
+
+        def rc(args):
+            try:
+                return main([*args, "--out", sys.argv[1]])
+            except SystemExit as e:  # (argparse's own errors)
+                return e.code
+
+        bad = (["--dataset", "mnist"], ["--temperature", "-1"], ["--arch", "vgg16"],
+               ["--epochs", "0"], ["--outlier-families", "nope"])
+        print([rc(a) for a in bad], "torch" in sys.modules)
+    """
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "r")], capture_output=True, text=True
+    )
+    assert p.stdout.strip() == "[2, 2, 2, 2, 2] False", p.stdout + p.stderr
+    assert "unknown nope" in p.stderr and "pass them with --init" in p.stderr, p.stderr
