@@ -159,6 +159,15 @@ class Cluster:
         with self.lock:
             return [s.url for _, _, s in self.servers.values() if s.proc.poll() is None]
 
+    def runs_model_of(self, gen: str) -> bool:
+        """Whether a running server was started with the model of gallery `gen` (one started
+        with --follow-alias may serve another: this says only what it was given)."""
+        with self.lock:
+            return any(
+                self.gens.get(m) == gen and s.proc.poll() is None
+                for m, _, s in self.servers.values()
+            )
+
     def live_gen(self) -> str:
         return self.galleries()["alias_gen"]
 
@@ -242,6 +251,9 @@ class Client(threading.Thread):
         self.rng = random.Random(seed)
         self.trained = trained
         self.stop = threading.Event()
+        # seconds between two operations (0: none): after the window, while the nemesis's last
+        # command ends, the clients go on at a trickle (see _history)
+        self.pause_s = 0.0
         self.mine: dict[int, str] = {}  # acknowledged, not deleted by me
         self.round = 0
         self.fresh = 0  # labels made by renames
@@ -284,6 +296,8 @@ class Client(threading.Thread):
                     self.name(http, url)
                 else:
                     self.add(http, url)
+                if self.pause_s:
+                    self.stop.wait(self.pause_s)
 
     def _send(self, op: Op, http: httpx.Client, url: str, method: str, path: str, **kw):
         """Send a keyed write (op.key as its Idempotency-Key); keep the request and its first

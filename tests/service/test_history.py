@@ -37,6 +37,7 @@ from .history import summary as describe
 
 SECONDS = float(os.environ.get("SNCA_HISTORY_SECONDS", "15"))
 CLIENTS = 3
+TAIL_PAUSE_S = 0.5  # each client's pause between operations after the window
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +124,13 @@ def _history(
             c.start()
         nemesis.start()
         time.sleep(SECONDS)
+        t["window over"] = time.monotonic()
+        # the window is over: no more faults or commands; the command running (a learn: its
+        # training, index, compare and switch, ~17 s alone) ends with writes still coming, at
+        # a trickle (full speed, a learn ran 75 s past a 15 s window and the 2,500 writes made
+        # meanwhile took 13 s more to replay, seed 3731307863)
+        for c in clients:
+            c.pause_s = TAIL_PAUSE_S
         nemesis.stop.set()
         nemesis.join(timeout=600)
         for c in clients:
@@ -130,6 +138,8 @@ def _history(
         for c in clients:
             c.join(timeout=60)
         t["faults over"] = time.monotonic()
+        tail_ops = sum(1 for o in journal.ops if o.done and o.done > t["window over"])
+        record_property("history_operations_after_the_window", tail_ops)
         assert nemesis.error is None, repr(nemesis.error)
         settle(cluster, nemesis, pg)
         url = live_server(cluster)
@@ -152,7 +162,8 @@ def _history(
         phases = ", ".join(f"{k} at {v - t['start']:.0f} s" for k, v in t.items() if k != "start")
         print(
             f"history[{label}] seed {seed}: {describe(journal, nemesis)}; {len(live)} added "
-            f"items live; {phases}, checked at {time.monotonic() - t['start']:.0f} s"
+            f"items live; {phases}, checked at {time.monotonic() - t['start']:.0f} s; "
+            f"{tail_ops} operations after the window"
         )
         if bad:
             import re
@@ -195,8 +206,13 @@ def settle(cluster: Cluster, nemesis: Nemesis, pg) -> None:
 
 def live_server(cluster: Cluster) -> str:
     """The URL of a server that takes writes on the live gallery (one started with
-    --follow-alias if none does: its start also settles a switch)."""
+    --follow-alias if none does: its start also settles a switch). A running server of the
+    live gallery's model gets 20 s to be ready (one resumed or restarted just now); with none,
+    one is started at once (after a learn switched to its new model, the servers of the old
+    one answer 503 standby: a 20 s wait for them was a third of a history, seed 12345)."""
     deadline = time.monotonic() + 120
+    if not cluster.runs_model_of(cluster.live_gen()):
+        deadline -= 20
     while time.monotonic() < deadline:
         for url in cluster.urls():
             try:
