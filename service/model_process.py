@@ -105,7 +105,7 @@ class Server:
         self.rt = state.runtime
         self.sock = sock
         self.shape = self.rt.embedder.pixel_shape
-        self.max_batch = state.settings.max_batch
+        self.max_batch = self.rt.info.max_batch  # (SNCA_MAX_BATCH, or less: batch_cap)
         self.max_wait = state.settings.max_wait_ms / 1000.0
         self.reader = FrameReader()
         self.pending: list = []  # (header, payload, arrival time)

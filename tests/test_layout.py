@@ -240,8 +240,14 @@ def test_no_route_imports_another():
 
 
 # The benchmarks drive the real service the way the tests do, through the tests' helper modules
-# (a real server, images, a real PostgreSQL): this edge, and only it, is declared here.
-BENCHMARKS_MAY_IMPORT = {"tests.helpers", "tests.service.helpers", "tests.service.pg"}
+# (a real server, images, real photographs cropped, a real PostgreSQL): this edge, and only it,
+# is declared here.
+BENCHMARKS_MAY_IMPORT = {
+    "tests.helpers",
+    "tests.service.helpers",
+    "tests.service.photos",
+    "tests.service.pg",
+}
 
 
 def _imports_from(folder: str) -> dict[str, set[str]]:

@@ -326,6 +326,39 @@ class Embedder(Preprocessing):
         for b in [*sizes, *sizes]:
             self.embed(torch.zeros(b, c, s, s, dtype=torch.uint8))
 
+    def batch_cap(self, max_batch: int, min_gain: float) -> tuple[int, dict[int, float]]:
+        """The largest batch worth forming, up to `max_batch`: from 8 images, a size twice as
+        large (or max_batch) is taken while it runs an image at least `min_gain` faster, or
+        runs whole within CHEAP_BATCH_MS (best of 2 after one call, at the serving thread
+        count). Returns (size, {size timed: ms per image}). A batch's working memory grows with its size (EfficientNet-Lite0 at
+        224 px under OpenVINO: ~12.6 MB an image, 6.2 / 6.4 / 6.4 ms an image at 8 / 16 / 64 on
+        2 cores), so a size that buys no speed costs memory and every request in it waits for
+        the whole batch."""
+        size = min(8, max_batch)
+        if min_gain <= 0 or size == max_batch:
+            return max_batch, {}
+        c, s = self.model.config.in_channels, self.model.config.image_size
+
+        def per_image(b: int) -> float:
+            x = torch.zeros(b, c, s, s, dtype=torch.uint8)
+            self.embed(x)
+            best = float("inf")
+            for _ in range(2):
+                t0 = time.perf_counter()
+                self.embed(x)
+                best = min(best, time.perf_counter() - t0)
+            return best / b * 1000
+
+        timed = {size: per_image(size)}
+        while size < max_batch:
+            bigger = min(2 * size, max_batch)
+            timed[bigger] = per_image(bigger)
+            gain = timed[bigger] <= timed[size] * (1 - min_gain)
+            if not gain and timed[bigger] * bigger > CHEAP_BATCH_MS:
+                break
+            size = bigger
+        return size, timed
+
     def warmup_every_size(
         self, max_batch: int, budget_s: float = float("inf")
     ) -> tuple[float, int]:
@@ -336,7 +369,13 @@ class Embedder(Preprocessing):
         first batch of each size arrives at a random time under load, as an RSS step and a slow
         batch; with it, memory is flat from the start. Every size costs that many images: all
         64 are ~1 s for conv4 but ~60 s for ResNet-18 at 224 px on 2 cores, hence the budget
-        (the sizes past it build their kernels on first use)."""
+        (the sizes past it build their kernels on first use). An engine that keeps only its
+        last few shapes compiled (Engine.shapes_kept) is warmed up to that many: each size past
+        it would evict a smaller one, and the heap kept their transient buffers (a Lite0 model
+        process warmed 1..64 under OpenVINO: 1.77 GB; 1..8: measured in docs/PERFORMANCE.md)."""
+        kept = getattr(self.engine, "shapes_kept", None)
+        if kept is not None:
+            max_batch = min(max_batch, kept)
         c, s = self.model.config.in_channels, self.model.config.image_size
         t0 = time.perf_counter()
         x = torch.zeros(max_batch, c, s, s, dtype=torch.uint8)
@@ -347,6 +386,12 @@ class Embedder(Preprocessing):
             self.embed(x[:b])
             warmed = b
         return time.perf_counter() - t0, warmed
+
+
+# a batch that runs within this is never refused by batch_cap: little memory, no wait anyone
+# notices (conv4 at 28 px: 64 images in ~16 ms on 2 cores; the vote after it amortises its own
+# per-batch cost over the whole batch, which the forward's timing does not see)
+CHEAP_BATCH_MS = 20.0
 
 
 def _best_time(module: torch.nn.Module, x: torch.Tensor, repeats: int = 5) -> float:

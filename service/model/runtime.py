@@ -56,6 +56,7 @@ class ModelInfo:
     warmed_sizes: int  # batch sizes 1..this were run once at start (SNCA_WARMUP_SECONDS)
     engine: str = "torch"  # what runs the forward (SNCA_ENGINE; service/model/engines)
     engine_note: str = ""  # why that one: auto's timings, or why torch serves
+    max_batch: int = 64  # images a forward at most: SNCA_MAX_BATCH, or less (batch_cap)
 
 
 class Runtime(ABC):
@@ -205,6 +206,7 @@ class ModelRuntime(Runtime):
                 self.run_batch, settings.max_batch, settings.max_wait_ms, on_batch
             )
         self.info: ModelInfo = self.batcher.call(self._prepare_model)
+        self.batcher.max_batch = self.info.max_batch  # (InlineCalls: unused)
 
     @classmethod
     def load(
@@ -253,11 +255,18 @@ class ModelRuntime(Runtime):
             chosen.at_threads(threads)
             e.engine = chosen.engine
             fused = []
-        if s.warmup_seconds > 0:
+        cap, timed = e.batch_cap(s.max_batch, s.batch_min_gain)
+        if cap < s.max_batch:
             log.info(
-                "model: warming up batch sizes 1..%d (at most %g s)", s.max_batch, s.warmup_seconds
+                "model: batches of up to %d images (ms an image: %s; a batch twice as large "
+                "would run an image less than %g%% faster: SNCA_BATCH_MIN_GAIN)",
+                cap,
+                ", ".join(f"{b}: {ms:.2f}" for b, ms in timed.items()),
+                100 * s.batch_min_gain,
             )
-        warm, sizes = e.warmup_every_size(s.max_batch, s.warmup_seconds)
+        if s.warmup_seconds > 0:
+            log.info("model: warming up batch sizes 1..%d (at most %g s)", cap, s.warmup_seconds)
+        warm, sizes = e.warmup_every_size(cap, s.warmup_seconds)
         log.info(
             "model: ready (engine %s: %s; %s, %d thread(s), %.1f s warming up)",
             chosen.name,
@@ -267,7 +276,7 @@ class ModelRuntime(Runtime):
             warm,
         )
         return ModelInfo(
-            str(e.device), e.mode, threads, fused, warm, sizes, chosen.name, chosen.note
+            str(e.device), e.mode, threads, fused, warm, sizes, chosen.name, chosen.note, cap
         )
 
     def engine_dirs(self) -> list[Path]:
@@ -355,7 +364,7 @@ class ModelRuntime(Runtime):
         """Prepared pixels (Prepared.pixels) -> (n, d [+ D]) float32 rows (Embedder.split
         takes them apart), blocking, through the model thread max_batch at a time."""
         out = []
-        step = self.settings.max_batch
+        step = self.info.max_batch
         for s in range(0, len(pixels), step):
             chunk = pixels[s : s + step]
             out.append(

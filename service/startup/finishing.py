@@ -110,6 +110,7 @@ def finish_service(
                 "world_check": g.worlds.enabled,
                 "warmup_s": round(info.warmup_s, 2),
                 "warmed_batch_sizes": info.warmed_sizes,
+                "max_batch": info.max_batch,
                 "fused_batch_sizes": info.fused_sizes,
                 "torch_threads": info.torch_threads,
                 "model_pid": o.runtime.pid(),

@@ -179,11 +179,15 @@ class Server:
             OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
             SNCA_MODEL_PROCESS="1" if model_process else "0",
-            # start-up work that only buys speed later (~1.5 s of CPU a start): the fused
-            # copies and the warm-up batches; tests/service/model/ test them, and a test whose
-            # subject they are sets them in `env`
+            # start-up work that only buys speed (or memory) later (~1.5 s of CPU a start): the
+            # fused copies and the warm-up batches; tests/service/model/ test them, and a test
+            # whose subject they are sets them in `env`
             SNCA_FUSED_BATCHES="0",
             SNCA_WARMUP_SECONDS="0",
+            # the same for timing the largest batch worth forming (~0.1 s for conv4, ~1 s for
+            # Lite0): tests/service/model/test_batch_size.py tests it, benchmarks/photo_memory.py
+            # measures it on a real photo model process
+            SNCA_BATCH_MIN_GAIN="0",
         )
         full_env.update(env or {})
         where = [] if data_dir is None else ["--data-dir", str(data_dir)]

@@ -15,6 +15,10 @@ class Engine(ABC):
     # for an engine that mallocs its buffers per input shape, which a heap that keeps freed
     # blocks (what torch's path wants) fragments into gigabytes
     malloc_defaults: bool = False
+    # input shapes (batch sizes) the engine keeps compiled at once, least recently used out
+    # (None: every one): start-up warms no more sizes than this, since each one past it
+    # evicts one warmed before (Embedder.warmup_every_size)
+    shapes_kept: int | None = None
 
     @abstractmethod
     def __init__(self, onnx: Path, threads: int):

@@ -14,6 +14,10 @@ from service.model.engines.base import Engine
 class OpenVinoEngine(Engine):
     name = "openvino"
     malloc_defaults = True  # (base.py; measured: a Lite0 model process 6.1 -> 1.x GB)
+    # kernels compiled per input shape, kept for this many shapes: the default (5,000) held
+    # every warmed batch size, a Lite0 model process grew to 8.7 GB after 1..64; 8 measured
+    # 1.7 GB and the same ms/image (docs/PERFORMANCE.md)
+    shapes_kept = 8
 
     def __init__(self, onnx: Path, threads: int):
         import openvino as ov
@@ -28,10 +32,7 @@ class OpenVinoEngine(Engine):
                 "PERFORMANCE_HINT": "LATENCY",
                 "INFERENCE_PRECISION_HINT": "f32",
                 "ENABLE_CPU_PINNING": False,  # the front shares these cores: no pinning
-                # kernels compiled per input shape, kept for this many shapes: the default
-                # (5,000) held every warmed batch size, a Lite0 model process grew to 8.7 GB
-                # after 1..64; 8 measured 1.7 GB and the same ms/image (docs/PERFORMANCE.md)
-                "CPU_RUNTIME_CACHE_CAPACITY": 8,
+                "CPU_RUNTIME_CACHE_CAPACITY": self.shapes_kept,
             },
         )
         self.request = self.compiled.create_infer_request()

@@ -121,9 +121,10 @@ def test_a_frame_that_arrives_in_pieces_waits_for_the_rest(monkeypatch):
     from service import model_process
 
     front, model = socket.socketpair()
-    settings = SimpleNamespace(max_batch=8, max_wait_ms=0.0)
+    settings = SimpleNamespace(max_wait_ms=0.0)
     embedder = SimpleNamespace(pixel_shape=(3, 224, 224))
-    state = SimpleNamespace(runtime=SimpleNamespace(embedder=embedder), settings=settings)
+    runtime = SimpleNamespace(embedder=embedder, info=SimpleNamespace(max_batch=8))
+    state = SimpleNamespace(runtime=runtime, settings=settings)
     server = model_process.Server(state, model)
     batches = []
 
