@@ -74,7 +74,9 @@ def leave_one_out_votes(
     sims, ids, lab = search(emb, kk)  # (m, kk)
     out, scores = [], []
     for i in range(len(emb)):
-        keep = ids[i] != own[i]
+        # a neighbour of a label made after the tables were read (other writers add while
+        # this searches) is not in the gallery they describe: left out (it was a 500)
+        keep = (ids[i] != own[i]) & (lab[i] < len(counts))
         s, lb = sims[i][keep][: kk - 1], lab[i][keep][: kk - 1]
         cnt, sm = counts.copy(), sums.copy()
         if own[i] >= 0:

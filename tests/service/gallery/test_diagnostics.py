@@ -47,3 +47,34 @@ def test_a_one_image_label_is_told_to_add_more():
     five = _diag(0.7, 0.3)
     _warn(five, 5, labels_alike=0.4)
     assert not any("about five" in w for w in five.warnings)
+
+
+def test_a_label_added_while_diagnosing_is_left_out_not_a_crash():
+    """The diagnostics of an add read the label tables once, then search the index, which other
+    writers keep adding to: a neighbour of a label made after that read (label id past the
+    tables) raised IndexError in the vote and answered the add 500 after it was committed
+    (test_hardening's four writers with a snapshot each write, fresh clone of 39f5808). Such a
+    neighbour is not in the gallery the diagnostics read: it is left out."""
+    import torch
+
+    from embedding.votes import RULES
+    from service.gallery.diagnostics import leave_one_out_votes
+
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((3, 8)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    counts = np.array([3.0, 2.0])  # two labels when the tables were read
+    sums = np.stack([emb.sum(0), emb[:2].sum(0)]).astype(np.float64)
+
+    def search(q, kk):  # label 2 was added since: one of its items is the nearest of each row
+        sims = np.tile(np.linspace(0.9, 0.1, kk), (len(q), 1))
+        ids = np.tile(np.arange(100, 100 + kk), (len(q), 1))
+        lab = np.tile(np.array([2, 0, 1, 0, 1, 0][:kk]), (len(q), 1))
+        return sims, ids, lab
+
+    for name, rule in RULES.items():
+        probs, scores = leave_one_out_votes(
+            rule(), emb, np.array([-1, -1, -1]), 0, search, sums, counts, 0.05, 3, 10, 2
+        )
+        assert probs.shape == (3, 2) and torch.isfinite(probs).all(), name
+        assert np.isfinite(scores).all(), name
