@@ -330,10 +330,10 @@ class Embedder(Preprocessing):
         """The largest batch worth forming, up to `max_batch`: from 8 images, a size twice as
         large (or max_batch) is taken while it runs an image at least `min_gain` faster, or
         runs whole within CHEAP_BATCH_MS (best of 2 after one call, at the serving thread
-        count). Returns (size, {size timed: ms per image}). A batch's working memory grows with its size (EfficientNet-Lite0 at
-        224 px under OpenVINO: ~12.6 MB an image, 6.2 / 6.4 / 6.4 ms an image at 8 / 16 / 64 on
-        2 cores), so a size that buys no speed costs memory and every request in it waits for
-        the whole batch."""
+        count). Returns (size, {size timed: ms per image}). A batch's working memory grows with
+        its size (EfficientNet-Lite0 at 224 px under OpenVINO: ~12.6 MB an image, 6.2 / 6.4 /
+        6.4 ms an image at 8 / 16 / 64 on 2 cores), so a size that buys no speed costs memory
+        and every request in it waits for the whole batch."""
         size = min(8, max_batch)
         if min_gain <= 0 or size == max_batch:
             return max_batch, {}
@@ -341,13 +341,7 @@ class Embedder(Preprocessing):
 
         def per_image(b: int) -> float:
             x = torch.zeros(b, c, s, s, dtype=torch.uint8)
-            self.embed(x)
-            best = float("inf")
-            for _ in range(2):
-                t0 = time.perf_counter()
-                self.embed(x)
-                best = min(best, time.perf_counter() - t0)
-            return best / b * 1000
+            return _best_time(self.embed, x, repeats=2) / b * 1000
 
         timed = {size: per_image(size)}
         while size < max_batch:
