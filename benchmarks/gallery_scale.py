@@ -123,7 +123,8 @@ def make_gallery(emb, labels, names, factory="Flat", exact_max=0, candidates=102
     import faiss
 
     from embedding.index import apply_search_params
-    from service.gallery import Gallery, VectorIndex
+    from service.gallery.gallery import Gallery
+    from service.gallery.vectors import VectorIndex
 
     base = faiss.index_factory(emb.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
     if not base.is_trained:

@@ -40,7 +40,7 @@ from service_load import RUNS, latency_ratio, print_rows, query_png, serve  # no
 STUB = r"""
 import asyncio, itertools, json, os, struct, subprocess, sys
 from service.model import runtime
-from service.gallery import Classification
+from service.gallery.gallery import Classification
 argv = sys.argv[1:]
 opt = dict(zip(argv[::2], argv[1::2]))
 jobs_r, jobs_w = os.pipe()

@@ -35,7 +35,7 @@ from embedding.rundir import RunDir
 from embedding.transforms import eval_transform
 from embedding.votes import VOTES
 from embedding.votes.kde_shrunk import KdeShrunk
-from service.gallery import Gallery
+from service.gallery.gallery import Gallery
 from service.gallery.vectors import VectorIndex
 from service.store import Item
 from training.datasets import build_data

@@ -1,7 +1,8 @@
 """Artifact formats (versioned): model = safetensors weights + JSON model card; memory bank =
 safetensors. No pickle anywhere: every file here may come from outside.
 
-All writes are atomic: temp file in the same folder, fsync, os.replace, fsync of the folder.
+All writes are atomic (embedding/files.py: temp file in the same folder, fsync, os.replace,
+fsync of the folder).
 """
 
 from __future__ import annotations
@@ -9,9 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -20,77 +19,13 @@ from safetensors.torch import save as st_save
 
 from .config import MODEL_FORMAT_VERSION, ModelConfig
 from .errors import ArtifactError
+from .files import atomic_write_bytes, atomic_write_json, check_format_version, read_json
 from .model import EmbeddingNet
 
 MODEL_WEIGHTS = "model.safetensors"
 MODEL_CARD = "model.json"
 MEMORY_BANK = "memory.safetensors"
 MEMORY_FORMAT_VERSION = 1
-
-
-# ---------------------------------------------------------------------------- atomic writes
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; artifacts are meant to be shared
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-
-
-def publish_dir(staging: str | os.PathLike, out: str | os.PathLike) -> None:
-    """fsync every file in `staging`, then swap it into place as `out` (an existing `out` is
-    moved aside first and removed only after the new one is in place)."""
-    import shutil
-
-    staging, out = Path(staging), Path(out)
-    for f in staging.iterdir():
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fsync_dir(staging)
-    old = None
-    if out.exists():
-        # unique per call: two publishers (threads or processes) never share a name
-        old = out.with_name(f".{out.name}.old-{os.getpid()}-{os.urandom(4).hex()}")
-        os.replace(out, old)
-    os.replace(staging, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ArtifactError(f"missing file: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"cannot read {path}: {e}") from None
 
 
 def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -153,16 +88,6 @@ def save_model(
         card["training"] = training
     atomic_write_json(directory / MODEL_CARD, card)
     return fp
-
-
-def check_format_version(where, kind: str, found, supported, hint: str = "") -> None:
-    """Every artifact carries its format's version: one this code does not read is refused,
-    naming the file, what it holds and the version this code reads (`hint`: what to do)."""
-    if found != supported:
-        raise ArtifactError(
-            f"{where}: {kind} format_version {found!r} is not supported "
-            f"(this version reads {supported}){hint}"
-        )
 
 
 def load_model_card(directory: str | os.PathLike) -> tuple[ModelConfig, str]:

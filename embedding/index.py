@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .artifacts import atomic_write_json, check_format_version, read_json
 from .errors import ArtifactError
+from .files import atomic_write_json, check_format_version, read_json
 
 INDEX_FORMAT_VERSION = 1
 INDEX_FILE = "index.faiss"

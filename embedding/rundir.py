@@ -30,14 +30,13 @@ from .artifacts import (
     MEMORY_BANK,
     MODEL_CARD,
     MODEL_WEIGHTS,
-    atomic_write_json,
     load_memory_bank,
     load_model,
     load_model_card,
-    read_json,
 )
 from .config import ModelConfig
 from .errors import ArtifactError, DataError
+from .files import atomic_write_json, read_json
 
 PROVENANCE_FORMAT_VERSION = 1
 

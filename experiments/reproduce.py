@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from embedding.artifacts import atomic_write_bytes
 from embedding.cliutil import documented_parser
 from embedding.errors import SNCAError
+from embedding.files import atomic_write_bytes
 from embedding.rundir import RunDir
 
 BEGIN, END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"

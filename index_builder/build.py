@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from embedding import collapse
-from embedding.artifacts import publish_dir
 from embedding.errors import ArtifactError, SNCAError
+from embedding.files import publish_dir
 from embedding.gallery import create_store, utc_now
 from embedding.index import (
     INDEX_FILE,

@@ -19,7 +19,7 @@ import numpy as np
 
 from embedding.index import IndexManifest
 from service.config import Settings
-from service.gallery import Gallery
+from service.gallery.gallery import Gallery
 from service.gallery.snapshot import Snapshotter, write_snapshot
 from service.learned import Unlearned
 from service.metrics import Metrics

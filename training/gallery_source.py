@@ -112,7 +112,7 @@ def record_gallery(out: str | Path, meta: dict, init: str | None) -> None:
     """Write OUT/gallery.json (embedding.rundir.RunDir.GALLERY): the data dir of the gallery
     the run was trained on (from the export's summary), so that snca-serve and snca-gallery
     given this run find that gallery without --data-dir."""
-    from embedding.artifacts import atomic_write_json
+    from embedding.files import atomic_write_json
 
     if not meta.get("data_dir"):
         return  # (an export made before the summary named its data dir)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from embedding.artifacts import atomic_write_json, save_memory_bank, save_model
+from embedding.artifacts import save_memory_bank, save_model
 from embedding.config import ModelConfig
 from embedding.errors import SNCAError
+from embedding.files import atomic_write_json
 from embedding.model import EmbeddingNet
 from embedding.rundir import RunDir
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from embedding.artifacts import publish_dir
 from embedding.errors import SNCAError
+from embedding.files import publish_dir
 from embedding.rundir import RunDir
 
 # The checkpoint is one file, written atomically: tensors + the JSON state in its metadata, so

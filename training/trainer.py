@@ -20,16 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from embedding.artifacts import (
-    atomic_write_bytes,
-    atomic_write_json,
-    read_safetensors,
-    save_memory_bank,
-    save_model,
-    write_safetensors,
-)
+from embedding.artifacts import read_safetensors, save_memory_bank, save_model, write_safetensors
 from embedding.config import ModelConfig
 from embedding.errors import SNCAError
+from embedding.files import atomic_write_bytes, atomic_write_json
 from embedding.inference import autocast_context
 from embedding.knn import knn_evaluate
 from embedding.model import EmbeddingNet

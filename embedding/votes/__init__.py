@@ -2,7 +2,7 @@
 
 One module per rule (pytorch-metric-learning's one loss per file), all behind
 `base.VoteRule`; the service and training's evaluation run the same classes, so evaluation
-measures what the service serves. Adding a rule: one new file here and one entry in RULES.
+measures what the service serves. Adding a rule: one new file here and one entry in REGISTRY.
 
   knn        the paper's weighted kNN vote over the k nearest items
   prototype  nearest normalised label mean
@@ -13,19 +13,51 @@ measures what the service serves. Adding a rule: one new file here and one entry
 
 from __future__ import annotations
 
-from .base import Candidates, GalleryView, Neighbors, VoteInput, VoteRule, softmax_or_zero
-from .kde import Kde, kde_candidates_log_density, kde_log_density, kde_prepare, kde_probs
-from .kde_shrunk import KdeShrunk, shrink_log_density
-from .knn import Knn, knn_probs
-from .prototype import Prototype, prototype_probs
+from importlib import import_module
+from typing import TYPE_CHECKING
 
-RULES: dict[str, type[VoteRule]] = {r.name: r for r in (Knn, Prototype, Kde, KdeShrunk)}
-VOTES = tuple(RULES)
+if TYPE_CHECKING:
+    from .base import VoteRule
+
+# The registry: a rule's name -> "module.Class" of this package (a new rule: one file, one line).
+REGISTRY = {
+    "knn": "knn.Knn",
+    "prototype": "prototype.Prototype",
+    "kde": "kde.Kde",
+    "kde_shrunk": "kde_shrunk.KdeShrunk",
+}
+VOTES = tuple(REGISTRY)
+
+# What the package exports -> the module that defines it, imported on first use (PEP 562): the
+# rules' names cost no torch import (the service's config, snca-gallery's store commands).
+_EXPORTS = {
+    "base": ("Candidates", "GalleryView", "Neighbors", "VoteInput", "VoteRule", "softmax_or_zero"),
+    "kde": ("Kde", "kde_candidates_log_density", "kde_log_density", "kde_prepare", "kde_probs"),
+    "kde_shrunk": ("KdeShrunk", "shrink_log_density"),
+    "knn": ("Knn", "knn_probs"),
+    "prototype": ("Prototype", "prototype_probs"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name == "RULES":  # {name: rule class}, in REGISTRY's order
+        value = {}
+        for rule, path in REGISTRY.items():
+            module, cls = path.split(".")
+            value[rule] = getattr(import_module(f".{module}", __name__), cls)
+    elif name in _WHERE:
+        value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # (imported once)
+    return value
 
 
 def get_rule(name: str) -> VoteRule:
     try:
-        return RULES[name]()
+        rules = globals().get("RULES") or __getattr__("RULES")
+        return rules[name]()
     except KeyError:
         raise ValueError(f"unknown vote {name!r}; choose one of {', '.join(VOTES)}") from None
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from embedding.artifacts import atomic_write_json, publish_dir
+from embedding.files import atomic_write_json, publish_dir
 from embedding.gallery import utc_now
 from embedding.index import sha256_file
 from service.store.datadir import SNAPSHOT_DIR

@@ -38,7 +38,7 @@ import torch
 from embedding.config import ModelConfig
 from embedding.errors import ArtifactError
 from service.config import Settings
-from service.gallery import Classification
+from service.gallery.gallery import Classification
 from service.gallery.query import VoteQuery
 from service.gallery.world import WorldVerdict
 from service.model import spawn

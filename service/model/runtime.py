@@ -20,7 +20,7 @@ from threadpoolctl import ThreadpoolController
 from embedding.device import resolve_device
 from embedding.sysalloc import default_freed_memory
 from service.config import Settings
-from service.gallery import Classification, Gallery
+from service.gallery.gallery import Classification, Gallery
 from service.gallery.query import VoteQuery
 from service.gallery.verdict import answered, explain, unknown_reason
 from service.model.batcher import InlineCalls, MicroBatcher

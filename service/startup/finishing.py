@@ -14,8 +14,9 @@ import numpy as np
 from embedding import collapse
 from embedding.index import open_index_dir
 from service.config import Settings
-from service.gallery import Gallery, VectorIndex
+from service.gallery.gallery import Gallery
 from service.gallery.snapshot import discard_snapshot, load_snapshot
+from service.gallery.vectors import VectorIndex
 from service.metrics import Metrics
 from service.startup.carry import carry_beside, migrate
 from service.startup.opening import Opening, locate

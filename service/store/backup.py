@@ -33,8 +33,8 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
-from embedding.artifacts import atomic_write_json, fsync_dir
 from embedding.errors import ArtifactError
+from embedding.files import atomic_write_json, fsync_dir
 from embedding.gallery import ITEM_COLUMNS, utc_now
 from embedding.index import sha256_file
 from service.store import sql

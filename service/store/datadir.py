@@ -22,7 +22,7 @@ import os
 import sqlite3
 from pathlib import Path
 
-from embedding.artifacts import fsync_dir
+from embedding.files import fsync_dir
 
 SNAPSHOT_DIR = "snapshot"  # the index snapshot's folder (service/gallery/snapshot.py)
 

@@ -47,8 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from embedding.artifacts import fsync_dir
 from embedding.errors import ArtifactError
+from embedding.files import fsync_dir
 from embedding.gallery import open_store, read_meta, utc_now
 from service.store import sql
 from service.store.carry import Carry, CarryState, Embed, Side, state_key

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from embedding.artifacts import fsync_dir
 from embedding.errors import ArtifactError
+from embedding.files import fsync_dir
 from embedding.gallery import (
     STORE_ID,
     STORE_SCHEMA_VERSION,

@@ -73,7 +73,7 @@ def _state(out: Path) -> dict:
 
 
 def _save(out: Path, st: dict) -> None:
-    from embedding.artifacts import atomic_write_json
+    from embedding.files import atomic_write_json
 
     atomic_write_json(out / STATE, st)
 

@@ -14,7 +14,8 @@ from embedding.openset import (
     leave_one_out,
     quantile_low,
 )
-from service.gallery import Gallery, VectorIndex
+from service.gallery.gallery import Gallery
+from service.gallery.vectors import VectorIndex
 
 
 def _unit(n, d, seed):

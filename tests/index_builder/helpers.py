@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from embedding import EmbeddingNet, ModelConfig, save_memory_bank, save_model
-from embedding.artifacts import atomic_write_json
+from embedding.files import atomic_write_json
 
 
 def clustered(n, d=128, clusters=50, spread=0.5, seed=0):

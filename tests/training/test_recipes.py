@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torchvision
 
-from embedding.artifacts import read_json
 from embedding.datasets import CIFAR100_COARSE_NAMES
+from embedding.files import read_json
 from training.cli import main as train_main
 from training.config import load_yaml_config
 

@@ -9,7 +9,8 @@ import torch
 
 from embedding.index import apply_search_params
 from embedding.votes import GalleryView, get_rule
-from service.gallery import Gallery, VectorIndex
+from service.gallery.gallery import Gallery
+from service.gallery.vectors import VectorIndex
 
 DIM = 16
 SIZES = (("a", 600), ("b", 400), ("c", 5), ("d", 80))

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import service.gallery.gallery as gallery_mod
-from service.gallery import Gallery, VectorIndex
 from service.gallery.compiled import ONEHOT_MAX_LABELS
+from service.gallery.gallery import Gallery
+from service.gallery.vectors import VectorIndex
 
 DIM = 16
 

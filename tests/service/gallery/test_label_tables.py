@@ -10,9 +10,10 @@ import torch
 
 from embedding.openset import label_groups
 from embedding.votes.kde import kde_prepare
-from service.gallery import Gallery, VectorIndex
+from service.gallery.gallery import Gallery
 from service.gallery.label_tables import LabelTables
 from service.gallery.rows import Rows
+from service.gallery.vectors import VectorIndex
 
 DIM = 4
 

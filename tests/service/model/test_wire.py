@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from service.config import Settings
-from service.gallery import Classification
+from service.gallery.gallery import Classification
 from service.gallery.query import VoteQuery
 from service.gallery.world import WorldVerdict
 from service.model.remote import _answer

@@ -252,3 +252,42 @@ def label_counts_of(data, run) -> dict[str, int]:
         )
     finally:
         conn.close()
+
+
+def test_store_commands_load_no_torch(base_run, tmp_path, fmnist_test):
+    """The commands that only read or write the store (galleries, backup, verify, compact,
+    prune, relabel, rename, merge, review-export) run on the standard library, pydantic and the
+    store: no torch import (~1.5 s of CPU each; a history run calls them while servers load)."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "serve"
+    ids = _gallery_with_images(base_run, data, fmnist_test, {"handbag": 2, "kicks": 1})
+    code = """if True:
+        import sys
+        from service.tools.gallery_tool import main
+
+        run, data, out, moved = sys.argv[1:]
+        given = ["--model", run, "--data-dir", data]
+        commands = (["galleries"], ["backup", out + "/bk"], ["verify", out + "/bk"],
+                    ["compact", "--keep", "1"], ["prune", "--keep", "1"],
+                    ["relabel", moved, "--label", "kicks"], ["rename", "kicks", "shoes"],
+                    ["merge", "handbag", "shoes"], ["review-export", out + "/rv"])
+        print([main([*c, *given]) for c in commands], "torch" in sys.modules)
+    """
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(base_run),
+            str(data),
+            str(tmp_path),
+            str(ids["handbag"][0]),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert p.stdout.strip().endswith("[0, 0, 0, 0, 0, 0, 0, 0, 0] False"), p.stdout + p.stderr
+    counts = label_counts_of(data, base_run)  # the writes were made
+    assert counts["shoes"] == 3 and "handbag" not in counts and "kicks" not in counts, counts
