@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from tests.process_template import forking, run_forked
+
 # ~60 s on 2 cores: 9,000 training images of all 10 classes, 8 epochs, cosine lr: the smallest
 # model on which the classes separate well (the training tests and the example test share it).
 SHORT = dict(subset=10000, val_size=1000, epochs=8, seed=0, lr_schedule="cosine")
@@ -71,6 +73,8 @@ def run_cli(module: str, *args, env=None, timeout=3600):
 
     full_env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
     full_env.update(env or {})
+    if forking():  # without ~1.5 s of imports (tests/process_template.py)
+        return run_forked(module, args, full_env, timeout)
     return subprocess.run(
         [sys.executable, "-m", module, *map(str, args)],
         capture_output=True,

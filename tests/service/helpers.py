@@ -21,6 +21,7 @@ from PIL import Image
 
 from service.config import Settings
 from service.http.app import create_app
+from tests.process_template import Template, forking
 
 
 def make_client(run, data_dir, **kw):
@@ -191,24 +192,18 @@ class Server:
         )
         full_env.update(env or {})
         where = [] if data_dir is None else ["--data-dir", str(data_dir)]
-        self.proc = subprocess.Popen(
-            [
-                *prefix,
-                sys.executable,
-                "-m",
-                "service",
-                "--model",
-                str(run),
-                *where,
-                "--port",
-                str(self.port),
-                *extra,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            cwd=cwd,
-        )
+        args = ["--model", str(run), *where, "--port", str(self.port), *map(str, extra)]
+        if prefix or not forking():
+            self.proc = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "service", *args],
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                cwd=cwd,
+            )
+        else:  # `python -m service` without its ~2 s of imports (tests/process_template.py)
+            log = Path(self.log.name)
+            self.proc = Template.get().fork("service", args, full_env, cwd, log, log)
         self.wait(wait_for or "/healthz", timeout, poll)
 
     def wait(self, route: str = "/readyz", timeout: float = 600, poll: float = 0.2) -> None:
