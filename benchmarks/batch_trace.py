@@ -47,7 +47,7 @@ from benchmarks.command_line import parser, write_report  # noqa: E402
 # the records over (and clears them). Each record is a few floats appended under the GIL.
 STUB = """
 import sys, time
-from service import gallery
+from service.gallery import gallery
 from service.http import app as app_mod
 from service.model import embedder, runtime
 rec = {"batch": [], "forward": [], "vote": []}
