@@ -21,7 +21,7 @@ from PIL import Image
 
 from service.config import Settings
 from service.http.app import create_app
-from tests.process_template import Template, forking
+from tests.process_template import Template, forking, run_forked
 
 
 def make_client(run, data_dir, **kw):
@@ -68,13 +68,12 @@ class Backend:
 
     def tool(self, run: Path, *args, check=True, env=None) -> subprocess.CompletedProcess:
         """snca-gallery ARGS on this backend's store, as users run it; rc 0 unless not `check`."""
-        p = subprocess.run(
-            self.tool_command(run, *args),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
-        )
+        cmd = self.tool_command(run, *args)
+        env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+        if forking():  # (tests/process_template.py)
+            p = run_forked(cmd[2], cmd[3:], env, 600)
+        else:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         if check:
             assert p.returncode == 0, p.stdout + p.stderr
         return p

@@ -50,6 +50,8 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
+from tests.process_template import Template, forking
+
 from .helpers import Server
 
 FAST = {"SNCA_FUSED_BATCHES": "0", "SNCA_MAX_BATCH": "8", "SNCA_WARMUP_SECONDS": "0"}
@@ -219,13 +221,12 @@ class Cluster:
     def tool(self, model: str, *args: str) -> subprocess.Popen:
         cmd = self.backend.tool_command(self.models[model], *args)
         path = self.tmp / f"tool-{args[0]}-{uuid.uuid4().hex[:8]}.log"
-        log = open(path, "w")  # noqa: SIM115 (the child holds it)
-        p = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **FAST),
-        )
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **FAST)
+        if forking():  # (tests/process_template.py: a Popen's poll, wait, kill)
+            p = Template.get().fork(cmd[2], cmd[3:], env, None, path, path)
+        else:
+            log = open(path, "w")  # noqa: SIM115 (the child holds it)
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         p.log_path = path  # (what it said, for the journal)
         return p
 
