@@ -96,3 +96,18 @@ def test_model_process_prototype_answers_like_the_service(base_run):
     for name in ("model thread ", "model process"):
         assert f"{name} 50% of saturation" in p.stdout, p.stdout
     assert "overloaded" not in p.stdout
+
+
+def test_vote_precision_times_every_kind_and_names_the_cpu(tmp_path):
+    out = tmp_path / "precision.json"
+    p = tool(
+        "benchmarks/vote_precision.py",
+        *("--rows", "2000", "--batches", "1,4", "--repeat", "2", "--json", str(out)),
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["cpu"]["capability"] and set(r["ms"]) == {"1", "4"}
+    assert set(r["ms"]["4"]) == {
+        "fp32 q@rows^T", "bf16 q@rows^T", "bf16 rows@q^T", "fp16 q@rows^T", "fp16 rows@q^T"
+    }  # fmt: skip
+    assert all(v > 0 for v in r["ms"]["4"].values())
