@@ -27,10 +27,12 @@ modules (`python -m tests.process_template`, run by `Template.start`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -192,9 +194,19 @@ class Template:
             env=env,
             cwd=root,
         )
+        atexit.register(self.close)
         line = self.proc.stdout.readline()
         if line.strip() != b"ready":
             raise RuntimeError(f"the process template did not start: {line!r}")
+
+    def close(self) -> None:
+        """End the template (its stdin closes: it returns) and remove its folder (the socket,
+        the exit status and output files). Processes forked from it that still run go on."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     @classmethod
     def get(cls) -> Template:
