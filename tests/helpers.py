@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from tests.process_template import forking, run_forked
+from tests.process_template import run_module
 
 # ~60 s on 2 cores: 9,000 training images of all 10 classes, 8 epochs, cosine lr: the smallest
 # model on which the classes separate well (the training tests and the example test share it).
@@ -68,17 +68,6 @@ BASE_RUN = dict(classes=BASE, subset=2000, val_size=200, epochs=2, batch_size=64
 
 def run_cli(module: str, *args, env=None, timeout=3600):
     """Run `python -m <module> args` as users do; return the CompletedProcess."""
-    import subprocess
-    import sys
-
     full_env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
     full_env.update(env or {})
-    if forking():  # without ~1.5 s of imports (tests/process_template.py)
-        return run_forked(module, args, full_env, timeout)
-    return subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-    )
+    return run_module(module, args, full_env, timeout)  # (forked: tests/process_template.py)

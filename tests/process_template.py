@@ -22,7 +22,8 @@ interpreter (which modules a command imports, start-up itself) start their own p
 (tests/training/test_cli.py, test_faults.py, test_replicas.py, test_migration.py, tests/deploy/).
 
 Standard library and third-party imports only: the template must not hold the project's
-modules (`python -m tests.process_template`, run by `Template.start`).
+modules (`python -m tests.process_template SOCKET`, started by `Template.get`). `run_module` and
+`start_module` are what tests call: forked, or exec'ed with SNCA_TEST_EXEC=1.
 """
 
 from __future__ import annotations
@@ -264,6 +265,25 @@ def run_forked(module: str, args, env: dict, timeout: float, cwd: Path | None = 
         proc.rc_file.unlink(missing_ok=True)
     argv = [sys.executable, "-m", module, *map(str, args)]
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def run_module(module: str, args, env: dict, timeout: float, cwd: Path | None = None):
+    """`python -m MODULE ARGS` run to its end, as subprocess.run(capture_output=True, text=True)
+    answers: forked from the template, or exec'ed with SNCA_TEST_EXEC=1."""
+    if forking():
+        return run_forked(module, args, env, timeout, cwd)
+    cmd = [sys.executable, "-m", module, *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
+
+
+def start_module(module: str, args, env: dict, cwd: Path | None, log: Path):
+    """`python -m MODULE ARGS` started, stdout and stderr appended to `log`: a Forked, or a Popen
+    with SNCA_TEST_EXEC=1 (the methods the tests use are the same)."""
+    if forking():
+        return Template.get().fork(module, args, env, cwd, log, log)
+    with open(log, "a") as out:  # (the child holds its own copy)
+        cmd = [sys.executable, "-m", module, *map(str, args)]
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ measures what the service serves. Adding a rule: one new file here and one entry
 
 from __future__ import annotations
 
+import functools
 from importlib import import_module
 from typing import TYPE_CHECKING
 
@@ -40,24 +41,29 @@ _EXPORTS = {
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
+@functools.cache
+def _rules() -> dict[str, type[VoteRule]]:
+    """{name: rule class}, in REGISTRY's order (each rule's module imported here)."""
+    out = {}
+    for rule, path in REGISTRY.items():
+        module, cls = path.split(".")
+        out[rule] = getattr(import_module(f".{module}", __name__), cls)
+    return out
+
+
 def __getattr__(name: str):
-    if name == "RULES":  # {name: rule class}, in REGISTRY's order
-        value = {}
-        for rule, path in REGISTRY.items():
-            module, cls = path.split(".")
-            value[rule] = getattr(import_module(f".{module}", __name__), cls)
-    elif name in _WHERE:
-        value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
-    else:
+    if name == "RULES":
+        return _rules()
+    if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
     globals()[name] = value  # (imported once)
     return value
 
 
 def get_rule(name: str) -> VoteRule:
     try:
-        rules = globals().get("RULES") or __getattr__("RULES")
-        return rules[name]()
+        return _rules()[name]()
     except KeyError:
         raise ValueError(f"unknown vote {name!r}; choose one of {', '.join(VOTES)}") from None
 

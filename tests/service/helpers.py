@@ -21,7 +21,7 @@ from PIL import Image
 
 from service.config import Settings
 from service.http.app import create_app
-from tests.process_template import Template, forking, run_forked
+from tests.process_template import run_module, start_module
 
 
 def make_client(run, data_dir, **kw):
@@ -69,11 +69,7 @@ class Backend:
     def tool(self, run: Path, *args, check=True, env=None) -> subprocess.CompletedProcess:
         """snca-gallery ARGS on this backend's store, as users run it; rc 0 unless not `check`."""
         cmd = self.tool_command(run, *args)
-        env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-        if forking():  # (tests/process_template.py)
-            p = run_forked(cmd[2], cmd[3:], env, 600)
-        else:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        p = run_module(cmd[2], cmd[3:], dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), 600)
         if check:
             assert p.returncode == 0, p.stdout + p.stderr
         return p
@@ -192,7 +188,7 @@ class Server:
         full_env.update(env or {})
         where = [] if data_dir is None else ["--data-dir", str(data_dir)]
         args = ["--model", str(run), *where, "--port", str(self.port), *map(str, extra)]
-        if prefix or not forking():
+        if prefix:
             self.proc = subprocess.Popen(
                 [*prefix, sys.executable, "-m", "service", *args],
                 stdout=self.log,
@@ -200,9 +196,8 @@ class Server:
                 env=full_env,
                 cwd=cwd,
             )
-        else:  # `python -m service` without its ~2 s of imports (tests/process_template.py)
-            log = Path(self.log.name)
-            self.proc = Template.get().fork("service", args, full_env, cwd, log, log)
+        else:  # forked: no ~2 s of imports (tests/process_template.py)
+            self.proc = start_module("service", args, full_env, cwd, Path(self.log.name))
         self.wait(wait_for or "/healthz", timeout, poll)
 
     def wait(self, route: str = "/readyz", timeout: float = 600, poll: float = 0.2) -> None:

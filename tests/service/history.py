@@ -50,7 +50,7 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from tests.process_template import Template, forking
+from tests.process_template import start_module
 
 from .helpers import Server
 
@@ -222,11 +222,7 @@ class Cluster:
         cmd = self.backend.tool_command(self.models[model], *args)
         path = self.tmp / f"tool-{args[0]}-{uuid.uuid4().hex[:8]}.log"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **FAST)
-        if forking():  # (tests/process_template.py: a Popen's poll, wait, kill)
-            p = Template.get().fork(cmd[2], cmd[3:], env, None, path, path)
-        else:
-            log = open(path, "w")  # noqa: SIM115 (the child holds it)
-            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        p = start_module(cmd[2], cmd[3:], env, None, path)  # (a Popen's poll, wait, kill)
         p.log_path = path  # (what it said, for the journal)
         return p
 
