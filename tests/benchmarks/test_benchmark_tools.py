@@ -98,6 +98,15 @@ def test_model_process_prototype_answers_like_the_service(base_run):
     assert "overloaded" not in p.stdout
 
 
+def test_gallery_world_fit_times_the_refit_at_each_size(tmp_path):
+    out = tmp_path / "fit.json"
+    p = tool("benchmarks/gallery_world_fit.py", "--json", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads(out.read_text())["fit_gallery_ms"]
+    assert [r["images"] for r in rows] == [60, 300, 300, 1024]
+    assert all(r["ms"] > 0 for r in rows) and "fit_gallery: 1024 images" in p.stdout
+
+
 def test_vote_precision_times_every_kind_and_names_the_cpu(tmp_path):
     out = tmp_path / "precision.json"
     p = tool(

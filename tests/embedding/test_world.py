@@ -53,6 +53,39 @@ def test_a_label_radius_grows_with_its_spread_never_under_the_floor():
     assert w.radius(loose) > w.same_radius
 
 
+def _few_shot_one_draw_at_a_time(w, z, y, draws=2000, seed=7):
+    """The few-shot radius as its docstring defines it, one draw at a time (what
+    _few_shot_radius computed until it drew in array operations)."""
+    rng = np.random.default_rng(seed)
+    near, ratios = [], []
+    for c in np.unique(y):
+        idx = np.nonzero(y == c)[0]
+        for _ in range(draws):
+            pick = rng.choice(idx, 6, replace=False)
+            d = w.distances(z[pick], z[pick])
+            near.append(d[5, :5].min())
+            sup = d[:5, :5] + np.diag(np.full(5, np.inf))
+            ratios.append(near[-1] / float(np.median(sup.min(axis=1))))
+    return float(np.quantile(near, 0.95)), float(np.quantile(ratios, 0.95))
+
+
+def test_few_shot_radius_is_the_draw_by_draw_quantiles():
+    """A gallery-fitted world: its same_radius and spread are the 95th percentiles of a query's
+    distance to the nearest of 5 images of its label and of that over their median leave-one-out
+    distance, as many draws one at a time say (sampling error only: ~1-2 %)."""
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(8, 40)) * 2
+    y = np.repeat(np.arange(8), 30)
+    s = (centres[y] + rng.normal(size=(len(y), 40)) * rng.uniform(0.5, 2, (len(y), 1))).astype(
+        np.float32
+    )
+    w = world.fit_gallery(s, y)
+    same, spread = _few_shot_one_draw_at_a_time(w, w.z(s), y)
+    assert w.same_radius == pytest.approx(same, rel=0.05)
+    assert w.spread == pytest.approx(spread, rel=0.05)
+    assert world.fit_gallery(s, y).same_radius == w.same_radius  # the same draws every time
+
+
 def test_stats_and_world_net_match_the_model(tmp_path):
     cfg = ModelConfig(class_names=["a", "b"])
     model = EmbeddingNet(cfg).eval()

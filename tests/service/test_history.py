@@ -145,8 +145,9 @@ def _history(
         t["commands rerun"] = time.monotonic()
         url = live_server(cluster)
         t["a live server"] = time.monotonic()
-        resolve(journal, url, fmnist_train, nemesis, cluster)
+        tries = resolve(journal, url, fmnist_train, nemesis, cluster)
         t["settled"] = time.monotonic()
+        record_property("history_resolve", tries.describe())
         # every acknowledged keyed write retried with its key: answered as the first time
         bad, replays = replay_keyed(replayable(journal.ops), cluster.urls(), rng)
         nemesis.counts["replays at the end"] += replays
@@ -237,10 +238,34 @@ def live_server(cluster: Cluster) -> str:
     raise AssertionError("no server takes writes on the live gallery")
 
 
-def resolve(journal: Journal, url: str, raw, nemesis: Nemesis, cluster: Cluster) -> None:
+class Tries:
+    """What resolve spent: writes retried, their 503 answers (what, when) and the time (the
+    junit report's history_resolve: where a slow settle went)."""
+
+    def __init__(self):
+        self.t0, self.writes, self.unavailable = time.monotonic(), 0, []
+
+    def saw(self, r) -> None:
+        detail = (
+            r.json().get("detail", "")
+            if r.headers.get("content-type", "").endswith("json")
+            else r.text
+        )
+        self.unavailable.append(f"{time.monotonic() - self.t0:.1f} s: {detail[:120]}")
+
+    def describe(self) -> str:
+        first = "; ".join(self.unavailable[:2] + self.unavailable[-1:])
+        return (
+            f"{self.writes} writes retried in {time.monotonic() - self.t0:.1f} s, "
+            f"{len(self.unavailable)} answered 503" + (f" ({first})" if first else "")
+        )
+
+
+def resolve(journal: Journal, url: str, raw, nemesis: Nemesis, cluster: Cluster) -> Tries:
     """Every add whose answer was lost, or that a 503 said changed nothing, retried with its
     Idempotency-Key: its first outcome (a 503 that said "nothing was changed" for a write that
     was made is a finding), or made now. A killed import run again."""
+    tries = Tries()
     with httpx.Client(timeout=30) as c:
         for op in journal.ops:
             if op.kind != "add" or op.outcome not in ("unknown", "failed"):
@@ -251,6 +276,7 @@ def resolve(journal: Journal, url: str, raw, nemesis: Nemesis, cluster: Cluster)
                 ("images", (f"{k}.png", png_of(raw, op.image + k), "image/png"))
                 for k in range(op.count)
             ]
+            tries.writes += 1
             for _ in range(60):
                 r = c.post(
                     url + "/gallery/add",
@@ -260,6 +286,7 @@ def resolve(journal: Journal, url: str, raw, nemesis: Nemesis, cluster: Cluster)
                 )
                 if r.status_code != 503:
                     break
+                tries.saw(r)
                 time.sleep(0.5)
                 # a server just resumed (SIGCONT) learns only now that its gallery was carried
                 # to the other model or is on standby (503, nothing changed, its /readyz 503
@@ -275,6 +302,7 @@ def resolve(journal: Journal, url: str, raw, nemesis: Nemesis, cluster: Cluster)
         for op in journal.ops:
             if op.kind != "name" or op.outcome != "unknown":
                 continue
+            tries.writes += 1
             for _ in range(60):
                 r = c.post(
                     url + "/review/name",
@@ -283,6 +311,7 @@ def resolve(journal: Journal, url: str, raw, nemesis: Nemesis, cluster: Cluster)
                 )
                 if r.status_code != 503:
                     break
+                tries.saw(r)
                 time.sleep(0.5)
                 url = live_server(cluster)
             op.answer = answer_of(r)
@@ -296,6 +325,7 @@ def resolve(journal: Journal, url: str, raw, nemesis: Nemesis, cluster: Cluster)
             p = cluster.tool(nemesis.live_model(), "import", folder, "--no-progress")
             assert p.wait(timeout=300) == 0, f"the rerun of import {label} failed"
             nemesis.imports[k] = (label, n, "rerun", folder)
+    return tries
 
 
 def replicas_agree(cluster: Cluster, gen: str) -> list[str]:
