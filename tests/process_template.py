@@ -61,6 +61,12 @@ PRELOAD = (
     "httpx",
     "multipart",
     "prometheus_client",
+    # what a training run (snca-train, the tests' shared models) imports beyond those: the first
+    # torch.optim optimizer imports torch._dynamo (and sympy: ~2 s), the curves matplotlib's
+    # pyplot (~0.8 s; Agg, as training/trainer.py selects)
+    "torch.optim",
+    "torch._dynamo",
+    "matplotlib.pyplot",
 )
 POLL_S = 0.05  # how often the template reaps its servers when no request comes
 
@@ -289,6 +295,7 @@ def start_module(module: str, args, env: dict, cwd: Path | None, log: Path):
 if __name__ == "__main__":
     import importlib
 
+    os.environ.setdefault("MPLBACKEND", "Agg")  # (headless: pyplot's backend, imported here)
     for name in PRELOAD:
         importlib.import_module(name)
     req = _serve(sys.argv[1])
