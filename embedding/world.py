@@ -306,6 +306,7 @@ def estimable(n_fit: int, dim: int) -> bool:
 
 
 SHOT_DRAWS = 200  # draws of a class in _few_shot_radius
+KEYS_UP_TO = 4096  # _draws: classes up to this size by keys ((draws, n) floats: <= 6.6 MB)
 GALLERY_PRIOR = 10.0  # pseudo-images of the isotropic prior in fit_gallery's variances
 
 
@@ -340,27 +341,40 @@ def fit_gallery(
     return w
 
 
+def _draws(rng: np.random.Generator, n: int, k: int = 6, draws: int = SHOT_DRAWS) -> np.ndarray:
+    """(draws, k) positions in range(n), each row k distinct ones in a uniformly random order:
+    up to KEYS_UP_TO the k smallest of uniform keys in key order (a (draws, n) array), above it
+    k uniform positions with the rows that repeat one drawn again (rejection keeps them
+    uniform; repeats are rare there), so the memory stays (draws, k) for a class of any size."""
+    if n <= KEYS_UP_TO:
+        keys = rng.random((draws, n))
+        pick = np.argpartition(keys, k - 1, axis=1)[:, :k]
+        return np.take_along_axis(pick, np.take_along_axis(keys, pick, 1).argsort(axis=1), 1)
+    pick = rng.integers(0, n, (draws, k))
+    while True:
+        s = np.sort(pick, axis=1)
+        again = (s[:, 1:] == s[:, :-1]).any(axis=1)
+        if not again.any():
+            return pick
+        pick[again] = rng.integers(0, n, (int(again.sum()), k))
+
+
 def _few_shot_radius(w: WorldFit, z: np.ndarray, y: np.ndarray, seed: int) -> tuple[float, float]:
     """(same_radius, spread) of WorldFit from labelled held-out images: draws of 6 images of
     one class, 5 as a label and the 6th as a query of it. A class's draws in array operations:
     a gallery-fitted world is fitted anew on every write of a growing gallery, under the write
-    lock (2,000 draws one at a time were 0.12-0.59 s of every add; now 3-15 ms)."""
+    lock (200 draws a label one at a time were 0.12-0.59 s of every add; now 2-15 ms)."""
     rng = np.random.default_rng(seed)
-    z64 = np.asarray(z, np.float64)
     near, ratios = [], []
     for c in np.unique(y):
         idx = np.nonzero(y == c)[0]
         if len(idx) < 6:
             continue
-        # 200 draws of 6 distinct images: the 6 smallest of uniform keys, the query (column 5)
-        # the 6th smallest (a uniformly random one of the six)
-        keys = rng.random((SHOT_DRAWS, len(idx)))
-        six = np.argpartition(keys, 5, axis=1)[:, :6]
-        six = np.take_along_axis(six, np.take_along_axis(keys, six, axis=1).argsort(axis=1), 1)
+        six = _draws(rng, len(idx))  # (P, 6) positions in idx
         # the distances among the images drawn at all (<= 1,200), once; each draw's 6 x 6 of it
         used, at = np.unique(six, return_inverse=True)
         at = at.reshape(six.shape)  # (P, 6) rows of `used`
-        zu = z64[idx[used]]  # (m, r)
+        zu = z[idx[used]]  # (m, r)
         d = w.distances(zu, zu)[at[:, :, None], at[:, None, :]]  # (P, 6, 6)
         q = d[:, 5, :5].min(axis=1)  # (P,) the query to its nearest of the 5
         sup = d[:, :5, :5] + np.diag(np.full(5, np.inf))  # leave-one-out within the 5

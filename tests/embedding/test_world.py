@@ -86,6 +86,20 @@ def test_few_shot_radius_is_the_draw_by_draw_quantiles():
     assert world.fit_gallery(s, y).same_radius == w.same_radius  # the same draws every time
 
 
+@pytest.mark.parametrize("n", [6, 7, 5000])
+def test_few_shot_draws_are_distinct_and_uniform(n):
+    """_draws: k distinct positions a row, every position as likely in every column, for a
+    class drawn by keys (small) and by rejection (large, memory of the draws only)."""
+    rng = np.random.default_rng(3)
+    six = world._draws(rng, n, draws=6000)
+    assert six.shape == (6000, 6) and six.min() >= 0 and six.max() < n
+    assert (np.diff(np.sort(six, axis=1), axis=1) > 0).all()  # distinct in every row
+    if n < 10:  # the query column (5) and the first: each position ~6000/n times
+        for col in (0, 5):
+            counts = np.bincount(six[:, col], minlength=n)
+            assert np.all(np.abs(counts - 6000 / n) < 0.12 * 6000 / n), counts
+
+
 def test_stats_and_world_net_match_the_model(tmp_path):
     cfg = ModelConfig(class_names=["a", "b"])
     model = EmbeddingNet(cfg).eval()
