@@ -233,9 +233,9 @@ def load_checkpoint(stage: Path, module: TrainModule, bank: MemoryBank, opt, sca
 
 
 # ---------------------------------------------------------------------------- curves
-# curves.png is drawn after the last epoch and, during a run, after an epoch when this long has
-# passed since the last drawing: a drawing costs ~0.5 s of CPU, which was a seventh of a conv4
-# epoch on a GPU (3-4 s) and a fifth of a test's 2-epoch run
+# curves.png is drawn at the end of a run (export) and, during a run, after an epoch when this
+# long has passed since the last drawing: a drawing costs ~0.5 s of CPU, which was a seventh of
+# a conv4 epoch on a GPU (3-4 s) and a fifth of a test's 2-epoch run
 CURVES_EVERY_S = 30.0
 
 
@@ -574,8 +574,8 @@ class Trainer:
 
     def end_epoch(self, epoch: int, rec: dict, t0: float, wall: float) -> None:
         """Rank 0 after each epoch: validation (every --eval-every and after the last), the
-        checkpoint, metrics.jsonl, curves.png (after the last, and every CURVES_EVERY_S), one
-        log line."""
+        checkpoint, metrics.jsonl, curves.png (every CURVES_EVERY_S; after the last: export),
+        one log line."""
         cfg = self.cfg
         if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
             m = self.module
@@ -593,10 +593,8 @@ class Trainer:
         self.checkpointed = True
         lines = "".join(json.dumps(x) + "\n" for x in self.metrics)
         atomic_write_bytes(self.run_dir.metrics, lines.encode())
-        if epoch + 1 == cfg.epochs or time.monotonic() - self.curves_at >= CURVES_EVERY_S:
-            title = f"{cfg.loss} / {cfg.arch} / {cfg.dataset}"
-            write_curves(self.run_dir.curves, self.metrics, title)
-            self.curves_at = time.monotonic()
+        if epoch + 1 < cfg.epochs and time.monotonic() - self.curves_at >= CURVES_EVERY_S:
+            self.draw_curves()  # (after the last epoch: export's)
         knn = ", ".join(
             f"kNN k={k} {rec[f'val_knn_top1@{k}']:.2f}%"
             for k in cfg.knn_k
@@ -616,10 +614,18 @@ class Trainer:
         w = fit_run_world(net, self.data, self.cfg.seed, self.device, self.log)
         world.save(w, out, fp)
 
+    def draw_curves(self) -> None:
+        cfg = self.cfg
+        write_curves(self.run_dir.curves, self.metrics, f"{cfg.loss} / {cfg.arch} / {cfg.dataset}")
+        self.curves_at = time.monotonic()
+
     def export(self, wall: float) -> dict:
-        """Rank 0 at the end: final validation under both protocols, the model, the memory
-        bank, the classifier (softmax), summary.json; then the run dir is published."""
+        """Rank 0 at the end: the curves of every epoch, final validation under both protocols,
+        the model, the memory bank, the classifier (softmax), summary.json; then the run dir is
+        published."""
         cfg, data, m, run = self.cfg, self.data, self.module, self.run_dir
+        if self.metrics:  # (drawn here, not after the last epoch: a run resumed after its last
+            self.draw_curves()  # checkpoint, killed before that drawing, draws them too)
         self.log("final validation (memory bank and re-embedded training images)...")
         final = evaluate(m.net, m.head, self.bank, data, cfg, self.device, recompute=True)
         recipe = {"loss": cfg.loss, "epochs": cfg.epochs, "outlier_exposure": None}
