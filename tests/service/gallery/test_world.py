@@ -165,24 +165,27 @@ def test_a_world_fitted_on_the_registered_images_agrees_whatever_their_order():
     once) judge a query alike; under two images there is no metric and so no check."""
     rng = np.random.default_rng(0)
     centres = rng.normal(0, 3, (3, 40))
-    labels = np.repeat(np.arange(3), 7)
-    rows = (centres[labels] + rng.normal(0, 0.3, (21, 40))).astype(np.float32)
+    labels = np.repeat(np.arange(3), 25)  # (enough 6-image draws that unseeded ones differ)
+    rows = (centres[labels] + rng.normal(0, 0.3, (75, 40))).astype(np.float32)
     one = _gallery_world([0], rows, labels)
     assert one.fit is None and one.enabled
     assert one.check([0], one.z(rows[:1]), np.zeros(3)) == [one.check([0], None, np.zeros(3))[0]]
-    a = _gallery_world(range(21), rows, labels)
-    b = _gallery_world(rng.permutation(21), rows, labels)
+    a = _gallery_world(range(75), rows, labels)
+    b = _gallery_world(rng.permutation(75), rows, labels)
     q = np.concatenate([centres, rng.normal(0, 3, (3, 40))])  # each label's own centre; strangers
     q = q.astype(np.float32)
     va = a.check([0, 1, 2, 0, 1, 2], a.z(q), np.zeros(3))
     vb = b.check([0, 1, 2, 0, 1, 2], b.z(q), np.zeros(3))
     assert [v.basis for v in va] == ["label"] * 6
     assert [round(v.score, 6) for v in va] == [round(v.score, 6) for v in vb]
+    # and on every label's radius (the fit's few-shot draws are seeded, not the order's)
+    assert (a.fit.same_radius, a.fit.spread) == (b.fit.same_radius, b.fit.spread)
+    assert a.radius == pytest.approx(b.radius, rel=1e-6)
     assert [v.ok for v in va] == [True, True, True, False, False, False]
     # a delete refits: the label's radius and the metric come from what is left
     a.removed(0, 0)
     a.recalibrate([0])
-    assert 0 not in a.own[0].ids and a.fit.fitted_on == 20
+    assert 0 not in a.own[0].ids and a.fit.fitted_on == 74
 
 
 def test_fewer_images_than_statistics_fit_a_diagonal_world_that_saves_and_loads(tmp_path):
