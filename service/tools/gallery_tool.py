@@ -31,7 +31,9 @@ it runs are not in it): every live item to OUT/items.jsonl (id, label, source, m
 created_at, and for added items the stored image's path under OUT/images/<label>/) in id
 order, OUT/labels.json (label -> folder; a label that is no safe folder name, or longer than
 100 bytes, gets a number) and OUT/export.json (the gallery_version it shows, counts). Every
-file and folder is created new inside OUT (no symbolic link is followed).
+file and folder is created new inside OUT (no symbolic link is followed). A gallery that has
+served is read from its store as found, no model loaded (tool_state.open_served_store); one
+never served, or another model's, through the service's state as a start would open it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,14 @@ from pathlib import Path
 from embedding.cliutil import documented_parser, positive_int
 from embedding.errors import SNCAError
 from service.store.records import Keyed, StoreUnavailable
-from service.tools.tool_state import IMAGE_SUFFIXES, open_state, read_image_file
+from service.tools.tool_state import (
+    IMAGE_SUFFIXES,
+    open_host,
+    open_served_store,
+    open_state,
+    read_image_file,
+    tool_settings,
+)
 
 EXT = {"image/png": "png", "image/jpeg": "jpg", "image/webp": "webp", "image/gif": "gif"}
 
@@ -420,15 +429,22 @@ def export_items(args: dict, log=print) -> int:
         raise SNCAError(f"--hold-out {hold}: a share between 0 and 0.5")
     # The folder is opened once and everything is created inside it through that handle, new
     # (O_EXCL) and never through a symbolic link (O_NOFOLLOW): a link planted in OUT while
-    # the model loads cannot send a file elsewhere.
+    # the gallery opens cannot send a file elsewhere.
     root = _open_export_dir(out)
     try:
-        host = open_state(args, snapshot_every=0)
+        settings = tool_settings(args, snapshot_every=0)
+        store, host = open_served_store(settings), None
+        if store is None:  # (a gallery never served, another model's, a switch to settle)
+            host = open_host(settings)
+            store = host.state.store
         try:
-            with host.state.store.reader() as view:  # one point in time
-                n, n_images, version = _export(view, root, host.state, args, Progress)
+            with store.reader() as view:  # one point in time
+                n, n_images, version = _export(view, root, settings, args, Progress)
         finally:
-            host.stop()
+            if host is not None:
+                host.stop()
+            else:
+                store.close()
     finally:
         os.close(root)
     log(
@@ -439,7 +455,7 @@ def export_items(args: dict, log=print) -> int:
     return 0
 
 
-def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
+def _export(view, root: int, settings, args, Progress) -> tuple[int, int, int]:
     """Write the export (see the module docstring) from the store's point-in-time `view`: the
     added items' stored images, with --trained the trained items' images too (from the dataset
     the served model's run dir names: service/tools/trained_images.py), with --hold-out F a share
@@ -456,12 +472,12 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
     version = view.last_seq()
     trained = None
     if args.get("trained"):
-        prov = trained_provenance(Path(state.settings.model))
+        prov = trained_provenance(Path(settings.model))
         if prov is not None:
             trained = TrainedImages(prov)
         elif view.label_counts() and _has_trained(view):
             raise SNCAError(
-                f"--trained: {state.settings.model} records no dataset its trained items come "
+                f"--trained: {settings.model} records no dataset its trained items come "
                 "from: their images cannot be exported"
             )
     hold = float(args.get("hold_out") or 0.0)
@@ -493,7 +509,7 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
                     images[it.id] = put(it.id, it.label, it.image, ext)
             after = page[-1].id
         n = 0
-        total = state.gallery.size()
+        total = sum(view.label_counts().values())
         with Progress(total, "exporting", "item", enabled=args.get("progress", True)) as bar:
             after = -1
             fd = os.open("items.jsonl", _NEW, 0o644, dir_fd=root)
@@ -531,7 +547,7 @@ def _export(view, root: int, state, args, Progress) -> tuple[int, int, int]:
     )
     summary = {"gallery_version": version, "items": n, "images": len(images) - n_held}
     # where the gallery lives: a run trained on this export records it (RunDir.GALLERY)
-    summary["data_dir"] = str(Path(state.settings.data_dir).resolve())
+    summary["data_dir"] = str(Path(settings.data_dir).resolve())
     summary["added_without_image"] = missing
     if trained is not None:  # (what an index of a model learned from it re-embeds them from)
         summary["trained"] = {"provenance": trained.provenance, "images": n_trained}

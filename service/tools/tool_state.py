@@ -1,5 +1,6 @@
 """What every snca-gallery command that embeds or classifies starts from: the service's own
-state on the tool's flags (`open_state`: the model, the live gallery, its store) and the
+state on the tool's flags (`open_state`: the model, the live gallery, its store; a command that
+only reads the gallery: `open_served_store`, no model loaded) and the
 bounded read of an image file (`read_image_file`). Its own module so that the commands'
 modules (gallery_tool, classify_folder) share it without importing each other."""
 
@@ -35,18 +36,18 @@ def read_image_file(path: Path, limit: int) -> bytes:
     return data
 
 
-def open_state(args: dict, **overrides):
-    """The ServiceState a server on these settings would have (model, gallery, store)."""
+def tool_settings(args: dict, **overrides):
+    """The Settings a server on the tool's flags would have, on the live gallery of the data
+    dir: the model a switch or a start carried the gallery to, not the one it was made with
+    (which would carry it back); said on stderr when it is another than --model."""
     from pydantic import ValidationError
 
     from service.config import Settings
-    from service.startup import ServiceHost, follow_alias
+    from service.startup import follow_alias
 
     given = {k.replace("-", "_"): v for k, v in args.items() if k in SETTINGS}
     # a tool embeds in batches of its own: the server's warm-up of every batch size and its
-    # fused small-batch copies would only cost start-up (a photo model: ~30 s, several GB);
-    # it works on the live gallery of the data dir: the model a switch or a start carried the
-    # gallery to, not the one it was made with (which would carry it back)
+    # fused small-batch copies would only cost start-up (a photo model: ~30 s, several GB)
     overrides = {"warmup_seconds": 0, "fused_batches": 0, "follow_alias": True, **overrides}
     try:
         settings = Settings(**given, **overrides)
@@ -57,6 +58,19 @@ def open_state(args: dict, **overrides):
     moved = follow_alias(settings)
     if moved:
         print(f"snca-gallery: {moved} (not {given_model})", file=sys.stderr, flush=True)
+    return settings
+
+
+def open_state(args: dict, **overrides):
+    """The ServiceHost a server on these settings would have (model, gallery, store)."""
+    return open_host(tool_settings(args, **overrides))
+
+
+def open_host(settings):
+    """The ServiceHost of `settings` (tool_settings), opened and finished as a server's start
+    does, except that it never carries a gallery to another model (an error says how)."""
+    from service.startup import ServiceHost
+
     host = ServiceHost(settings)
     opening = host.open()
     if opening.plan is not None:
@@ -69,6 +83,36 @@ def open_state(args: dict, **overrides):
         )
     host.finish()
     return host
+
+
+def open_served_store(settings):
+    """The store of the gallery a server of `settings` (tool_settings) would serve, opened as
+    found without loading the model, when that gallery exists, is this model's and nothing
+    waits for a server's start (a start-up migration's swap, a switch to settle); None
+    otherwise (open_host does what a start does). What reads the gallery only (export) needs
+    no more: opening the service state loads the model (5-6 s, every learn's export)."""
+    from embedding.errors import ArtifactError
+    from embedding.index import read_manifest
+    from embedding.rundir import RunDir
+    from service.store.records import CARRIED_TO, STANDBY
+    from service.store.registry import backend_class, locate_gallery, open_as_found
+
+    try:
+        fingerprint = RunDir(settings.model).load_model_card()[1]
+        index_id = read_manifest(settings.index).index_id
+    except (ArtifactError, OSError, ValueError):
+        return None  # (open_host says what is wrong with them)
+    home = settings.home_store
+    target, _ = locate_gallery(home, settings.data_dir, fingerprint, index_id)
+    cls = backend_class(target)
+    if not cls.exists(target):
+        return None  # (never served: a start seeds it)
+    metas = [cls.meta_of(target)] + ([cls.meta_of(home)] if str(target) != str(home) else [])
+    if (metas[0].get("model_fingerprint"), metas[0].get("index_id")) != (fingerprint, index_id):
+        return None  # another model's: a start would carry it
+    if any(CARRIED_TO in m or STANDBY in m for m in metas):
+        return None
+    return open_as_found(target)
 
 
 SETTINGS = ("model", "index", "store", "data_dir", "device", "log_level", "thumbnails")

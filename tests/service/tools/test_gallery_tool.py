@@ -125,7 +125,7 @@ def _gallery_with_images(base_run, data, raw, labels: dict[str, int]) -> dict[st
 
 
 def test_export_refuses_links_planted_in_its_folder(base_run, tmp_path, fmnist_test, monkeypatch):
-    """Links planted in OUT after its emptiness check (while the model loads) used to be
+    """Links planted in OUT after its emptiness check (while the gallery opens) used to be
     followed: a file outside OUT was overwritten and the images written outside it."""
     from embedding.errors import SNCAError
     from service.tools import gallery_tool
@@ -137,14 +137,14 @@ def test_export_refuses_links_planted_in_its_folder(base_run, tmp_path, fmnist_t
     (outside / "victim.txt").write_text("keep me")
     out = tmp_path / "out"
     out.mkdir()  # new and empty: the check passes
-    real = gallery_tool.open_state
+    real = gallery_tool.tool_settings
 
     def plant_then_open(args, **kw):  # the attacker's move, in the window
         (out / "images").symlink_to(outside)
         (out / "items.jsonl").symlink_to(outside / "victim.txt")
         return real(args, **kw)
 
-    monkeypatch.setattr(gallery_tool, "open_state", plant_then_open)
+    monkeypatch.setattr(gallery_tool, "tool_settings", plant_then_open)
     args = {"out": out, "model": base_run, "data_dir": data, "progress": False}
     try:
         gallery_tool.export_items(args, log=lambda *a, **k: None)
@@ -291,3 +291,44 @@ def test_store_commands_load_no_torch(base_run, tmp_path, fmnist_test):
     assert p.stdout.strip().endswith("[0, 0, 0, 0, 0, 0, 0, 0, 0] False"), p.stdout + p.stderr
     counts = label_counts_of(data, base_run)  # the writes were made
     assert counts["shoes"] == 3 and "handbag" not in counts and "kicks" not in counts, counts
+
+
+def test_export_of_a_served_gallery_loads_no_model_and_is_the_same(
+    base_run, tmp_path, fmnist_test, monkeypatch
+):
+    """An export of a gallery that has served (learn exports the live one on every run) opens
+    its store as found without loading the model (5-6 s for a photo model): the same export as
+    through the service state; a data dir never served still gets what a start seeds (the
+    index's trained items), through the service state."""
+    from service.tools import gallery_tool
+
+    data = tmp_path / "data"
+    added = _gallery_with_images(base_run, data, fmnist_test, {"bag": 2, "coat": 1})
+    hosts = []
+    real = gallery_tool.open_host
+    monkeypatch.setattr(gallery_tool, "open_host", lambda s: hosts.append(s) or real(s))
+
+    def export(name, data_dir):
+        args = {"out": tmp_path / name, "model": base_run, "data_dir": data_dir, "progress": False}
+        assert gallery_tool.export_items(args, log=lambda *a, **k: None) == 0
+        rows = (tmp_path / name / "items.jsonl").read_text().splitlines()
+        return [json.loads(x) for x in rows], json.loads(
+            (tmp_path / name / "export.json").read_text()
+        )
+
+    fast = export("fast", data)
+    assert hosts == []  # (no model loaded)
+    monkeypatch.setattr(gallery_tool, "open_served_store", lambda s: None)
+    assert export("state", data) == fast and len(hosts) == 1
+    assert sorted(r["id"] for r in fast[0] if r["source"] == "added") == sorted(
+        i for ids in added.values() for i in ids
+    )
+    monkeypatch.undo()
+    monkeypatch.setattr(gallery_tool, "open_host", lambda s: hosts.append(s) or real(s))
+    seeded = export("fresh", tmp_path / "fresh")
+    assert len(hosts) == 2  # never served: the service state seeds it
+
+    def trained(rows):
+        return [(r["id"], r["label"]) for r in rows if r["source"] == "trained"]
+
+    assert len(trained(fast[0])) > 0 and trained(seeded[0]) == trained(fast[0])
