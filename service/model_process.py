@@ -25,6 +25,7 @@ from dataclasses import asdict
 
 from embedding.errors import SNCAError
 from service.config import Settings
+from service.model.embedder import ImageError
 from service.model.runtime import label_threshold
 from service.model.spawn import CONTROL_FD_ENV, DATA_FD_ENV, SETTINGS_FD_ENV
 from service.model.wire import Batch, Failed, FrameReader, Synced, frame
@@ -159,7 +160,12 @@ class Server:
                 why = "the model process cannot read the gallery store to apply the latest writes"
                 out.append(Failed(j.id, 503, why))
                 continue
-            job = j.model_job(None if not p else self._pixels(p))
+            try:
+                pixels = self._pixels(j, p)
+            except ImageError as e:  # (an upload left encoded: its problem, as the front's)
+                out.append(Failed(j.id, e.status, e.message, e.code))
+                continue
+            job = j.model_job(pixels)
             if job is None:  # a sync (or a ping): the version it reached
                 out.append(Synced(j.id, g.version))
             else:
@@ -179,9 +185,16 @@ class Server:
         waited = time.perf_counter() - batch[0][2]
         return frame(Batch(len(model), waited, out), ctx.payload())
 
-    def _pixels(self, payload: bytes):
+    def _pixels(self, job, payload: bytes):
+        """A job's model input: its payload's pixels, or the upload it carries decoded
+        (ClassifyJob.encoded); None for a job without (a sync)."""
         import numpy as np
 
+        if not payload:
+            return None
+        name = getattr(job, "encoded", None)
+        if name is not None:
+            return self.rt.uploads.decode(payload, name)
         return np.frombuffer(payload, np.uint8).reshape(self.shape)
 
 

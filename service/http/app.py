@@ -159,12 +159,16 @@ class RequestContext:
         t0 = time.perf_counter()
         status_box = {"code": 500}
 
+        started = False
+
         async def send_wrapper(msg):
+            nonlocal started
             if msg["type"] == "http.response.start":
+                started = True
                 status_box["code"] = msg["status"]
                 ms = (time.perf_counter() - t0) * 1000
                 msg["headers"] = [
-                    *list(msg.get("headers", ())),
+                    *msg.get("headers", ()),
                     (b"x-request-id", rid.encode("latin-1")),
                     (b"x-process-time-ms", f"{ms:.2f}".encode()),
                     *ALWAYS,
@@ -217,25 +221,18 @@ class RequestContext:
                         raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
                 return msg
 
-            started = {"yes": False}
-
-            async def send_tracking(msg):
-                if msg["type"] == "http.response.start":
-                    started["yes"] = True
-                await send_wrapper(msg)
-
             try:
                 route = self.lean.find(scope)
                 if route is not None:
-                    await self.lean(route, scope, limited_receive, send_tracking)
+                    await self.lean(route, scope, limited_receive, send_wrapper)
                 else:
-                    await self.app(scope, limited_receive, send_tracking)
+                    await self.app(scope, limited_receive, send_wrapper)
             except Exception:
                 # Never a stack trace to the client, never a dropped connection: a bug is
                 # logged with the request id and answered as a 500 problem.
                 log.exception("unhandled error")
                 status_box["code"] = 500
-                if not started["yes"]:
+                if not started:
                     await problems.response(
                         500, "internal_error", f"internal error (request id {rid})"
                     )(scope, receive, send_wrapper)
@@ -267,6 +264,28 @@ class RequestContext:
                     }
                 },
             )
+
+
+class SNCA(FastAPI):
+    """FastAPI with `RequestContext` outside its own layers: an HTTP request goes to the context
+    first (which calls the hot routes itself, service/http/lean.py, and everything else through
+    FastAPI's whole stack: telemetry, its body limit, the exception and exit-stack middleware,
+    the router); FastAPI's error middleware, telemetry and body-limit layers cost ~5 % of the
+    front's CPU on a small /classify (docs/PERFORMANCE.md) and the context already answers a bug
+    with a 500 problem and bounds the body. Lifespan and other scopes go to FastAPI as before."""
+
+    context: RequestContext | None = None  # set by create_app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.context is not None:
+            scope["app"] = self  # (what Starlette sets: request.app, the exception handlers)
+            await self.context(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    async def framework(self, scope, receive, send) -> None:
+        """The request through FastAPI's own stack (the context's inner app)."""
+        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None, host: ServiceHost | None = None) -> FastAPI:
@@ -308,7 +327,7 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
             "logs": False,
             "operation_spans": False,
         }
-    app = FastAPI(
+    app = SNCA(
         title="snca",
         version="0.1.0",
         description=DESCRIPTION,
@@ -344,6 +363,14 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
         app.include_router(r)
     app.mount("/static", StaticFiles(directory=page.STATIC_DIR), name="static")
     app.mount("/docs-assets", StaticFiles(directory=page.docs_assets()), name="docs-assets")
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        # FastAPI's error middleware (inside RequestContext) answers with this and re-raises;
+        # the context logs it (the same answer as one it makes itself: `internal_error`)
+        return problems.response(
+            500, "internal_error", f"internal error (request id {request_id.get()})"
+        )
 
     @app.exception_handler(Problem)
     async def _problem(request: Request, e: Problem):
@@ -413,6 +440,6 @@ def create_app(settings: Settings | None = None, host: ServiceHost | None = None
             headers = {**(headers or {}), "Allow": ", ".join(sorted(methods))}
         return problems.response(e.status_code, None, str(e.detail), headers)
 
-    app.add_middleware(RequestContext, host=host, lean=Lean(m.router for m in routers))
+    app.context = RequestContext(app.framework, host=host, lean=Lean(m.router for m in routers))
     openapi.install(app, settings)
     return app

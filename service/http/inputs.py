@@ -9,8 +9,9 @@ import re
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
+from python_multipart.multipart import parse_options_header
 
-from service.http.multipart import Form, FormError, is_multipart, parse_form
+from service.http.multipart import Form, FormError, parse_form_of
 from service.http.problems import Problem
 from service.store.records import Keyed
 
@@ -22,11 +23,11 @@ MAX_METADATA_DEPTH = 16
 async def read_form(request: Request, max_parts: int, fields: tuple[str, ...]) -> Form:
     """The request's multipart body (an empty Form for another content type: the route's
     missing-field error then names what it needs); 422 for a field not in `fields`."""
-    ct = request.headers.get("content-type", "")
-    if not is_multipart(ct):
+    ct = parse_options_header(request.headers.get("content-type", ""))
+    if ct[0] != b"multipart/form-data":
         return Form()
     try:
-        form = parse_form(await request.body(), ct, max_parts)
+        form = parse_form_of(await request.body(), ct, max_parts)
     except FormError as e:
         raise Problem(e.status, e.code, e.message) from None
     unknown = (form.files.keys() | form.fields.keys()) - set(fields)

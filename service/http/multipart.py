@@ -11,9 +11,19 @@ a 413 (one reader, so every route answers the same: Starlette's parser said 400 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from python_multipart.multipart import parse_options_header
+
+# The Content-Disposition every client library sends (`form-data; name="image";
+# filename="q.png"`), read without the general parser (a fifth of the form's reading for a small
+# upload): values without quotes, backslashes or semicolons inside, name before filename. Any
+# other header (escapes, `filename*`, another order, IE's full paths) goes to
+# parse_options_header, which gives the same (name, filename) for these.
+_PLAIN_DISPOSITION = re.compile(
+    rb'[^;"]*;[ \t]*name="([^"\\;]*)"[ \t]*(?:;[ \t]*filename="([^"\\;]*)"[ \t]*)?\Z'
+)
 
 
 class FormError(Exception):
@@ -42,7 +52,12 @@ def file_parts(body: bytes, content_type: str, max_parts: int) -> dict[str, list
 def parse_form(body: bytes, content_type: str, max_parts: int) -> Form:
     """Files ({name: [contents, in order]}) and text fields of a multipart body. Raises
     FormError(400) for a malformed body and FormError(413) above `max_parts` parts."""
-    ctype, params = parse_options_header(content_type)
+    return parse_form_of(body, parse_options_header(content_type), max_parts)
+
+
+def parse_form_of(body: bytes, content_type: tuple[bytes, dict], max_parts: int) -> Form:
+    """`parse_form` with the Content-Type already parsed (parse_options_header's pair)."""
+    ctype, params = content_type
     if ctype != b"multipart/form-data":
         raise FormError(400, f"expected multipart/form-data, got {ctype.decode('latin-1')!r}")
     boundary = params.get(b"boundary")
@@ -73,10 +88,18 @@ def parse_form(body: bytes, content_type: str, max_parts: int) -> Form:
         for line in head.split(b"\r\n"):
             key, _, value = line.partition(b":")
             if key.strip().lower() == b"content-disposition":
-                _, p = parse_options_header(value)
-                name, filename = p.get(b"name"), p.get(b"filename")
+                name, filename = disposition(value)
         if name is None:
             raise FormError(400, f"malformed multipart body: part {i} has no field name")
         where = out.files if filename is not None else out.fields
         where.setdefault(name.decode("utf-8", "replace"), []).append(content)
     return out
+
+
+def disposition(value: bytes) -> tuple[bytes | None, bytes | None]:
+    """(name, filename) of a part's Content-Disposition value (None: absent)."""
+    plain = _PLAIN_DISPOSITION.match(value.strip(b" \t"))
+    if plain is not None:
+        return plain.group(1), plain.group(2)
+    _, p = parse_options_header(value)
+    return p.get(b"name"), p.get(b"filename")

@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 from http import HTTPStatus
 
-from starlette.responses import JSONResponse
-
+from service.http.encode import JSONResponse
 from service.logs import request_id
 
 PROBLEM_JSON = "application/problem+json"

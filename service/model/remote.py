@@ -374,13 +374,22 @@ class RemoteRuntime(Runtime):
     def _version(self) -> int:
         return 0 if self.gallery is None else self.gallery.version
 
+    async def prepare_queries(self, datas: list[bytes], names: list[str]) -> list[Prepared]:
+        """Small uploads left encoded once their headers pass: the model process decodes them
+        (a fifth of this process's CPU on a 28x28 /classify, docs/PERFORMANCE.md). Decoded here
+        with the review queue on (it keeps the pixels the model saw)."""
+        encoded = not self.settings.review_queue
+        return await self.uploads.prepare_async(datas, names, encoded=encoded)
+
     async def answers(
         self, prepared: list[Prepared], query: VoteQuery, tpr: float | None
     ) -> list[Answer]:
         v = self._version()
         self._admit(len(prepared))
         futs = [
-            self._send(ClassifyJob(next(self._ids), v, query, tpr), _raw(p.pixels))
+            self._send(ClassifyJob(next(self._ids), v, query, tpr, p.name), p.data)
+            if p.encoded
+            else self._send(ClassifyJob(next(self._ids), v, query, tpr), _raw(p.pixels))
             for p in prepared
         ]
         return [_answer(r, tpr, self.settings) for r in await asyncio.gather(*futs)]

@@ -76,6 +76,11 @@ class Runtime(ABC):
         (each implementation sets `settings` and `embedder` once, when it is built)."""
         return Uploads(self.settings, self.embedder)
 
+    async def prepare_queries(self, datas: list[bytes], names: list[str]) -> list[Prepared]:
+        """Uploads to classify (`answers`), as this runtime takes them: decoded here (a
+        model process takes small ones encoded: RemoteRuntime)."""
+        return await self.uploads.prepare_async(datas, names)
+
     # ------------------------------------------------------------ what each implements
     @abstractmethod
     def wait_ready(self, progress=None, waiting=None) -> None:

@@ -1,7 +1,9 @@
 """Uploads into model input: each upload's header read and checked against the limits, the
 image decoded (EXIF orientation applied, colour converted) and preprocessed to uint8 pixels at
 the model's size, on the process that runs the event loop (the front); small images inline,
-large ones in a thread, a bounded number of requests at a time. The image I/O itself (sniffing,
+large ones in a thread, a bounded number of requests at a time. Small images to classify are
+left encoded when a model process runs the model: it decodes them (`decode`), which took a fifth
+of the front's CPU on a 28x28 /classify (docs/PERFORMANCE.md). The image I/O itself (sniffing,
 opening, loading) is embedder.py's; the pixels are `Preprocessing.pixels`."""
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from anyio import to_thread
 from embedding.sysalloc import release_free_memory
 from embedding.thumbnails import make_thumbnail
 from service.config import Settings
-from service.model.embedder import ImageError, Preprocessing, load_image, open_image
+from service.model.embedder import FORMATS, ImageError, Preprocessing, load_image, open_image
 
 # Images up to this many pixels (per request) are decoded on the event loop: ~50 us for a
 # 28x28 PNG, against ~150 us+ for a hop to a worker thread and back under load.
@@ -29,12 +31,18 @@ TRIM_AFTER_PIXELS = 4_000_000
 
 @dataclass
 class Prepared:
-    """An upload as the model takes it."""
+    """An upload as the model takes it: its pixels, or (`encoded`) its header checked and the
+    bytes left for the model process to decode (`prepare_async(encoded=True)`)."""
 
-    pixels: np.ndarray  # uint8 (C, H, W), Embedder.pixels
+    pixels: np.ndarray | None  # uint8 (C, H, W), Embedder.pixels; None: encoded
     data: bytes
     mime: str
     thumbnail: bytes | None = None  # when asked for (gallery adds with SNCA_THUMBNAILS)
+    name: str = "image"  # what its problems call it ("images[2]")
+
+    @property
+    def encoded(self) -> bool:
+        return self.pixels is None
 
 
 # requests decoding large images at once in this process (each holds one decoded image at a time)
@@ -59,10 +67,14 @@ class Uploads:
         """An opened image (embedder.open_image: limits checked) -> what the model takes."""
         img, mime = load_image(img, name, self.embedder.decode_side)
         thumb = make_thumbnail(img, self.settings.thumbnail_side) if thumbnail else None
-        return Prepared(self.embedder.pixels(img), data, mime, thumb)
+        return Prepared(self.embedder.pixels(img), data, mime, thumb, name)
 
     async def prepare_async(
-        self, datas: list[bytes], names: list[str], thumbnails: bool = False
+        self,
+        datas: list[bytes],
+        names: list[str],
+        thumbnails: bool = False,
+        encoded: bool = False,
     ) -> list[Prepared]:
         """Decode + preprocess uploads. Every header is read first, on the event loop (cheap,
         bounded): the request's pixels together must be within SNCA_MAX_REQUEST_PIXELS (413
@@ -70,7 +82,8 @@ class Uploads:
         all, e.g. 28x28 or 64x64) are decoded there too, because a thread hop costs more than
         decoding them; larger ones in a thread, one at a time, each decoded image dropped
         once it is the model's input, and at most DECODE_SLOTS requests decoding at once: a
-        request holds at most one decoded image."""
+        request holds at most one decoded image. `encoded` (the model process decodes them,
+        `decode`): small images are left encoded once their headers pass."""
         s = self.settings
         imgs = [open_image(d, s.max_image_pixels, n) for d, n in zip(datas, names, strict=True)]
         pixels = sum(i.size[0] * i.size[1] for i in imgs)
@@ -81,12 +94,22 @@ class Uploads:
                 f"{s.max_request_pixels} per request (SNCA_MAX_REQUEST_PIXELS)",
                 "too_many_pixels",
             )
+        if pixels <= INLINE_PIXELS and encoded and not thumbnails:
+            return [
+                Prepared(None, d, FORMATS[i.format], None, n)
+                for i, d, n in zip(imgs, datas, names, strict=True)
+            ]
         if pixels <= INLINE_PIXELS:
             t = thumbnails
             return [
                 self.prepare_image(i, d, n, t) for i, d, n in zip(imgs, datas, names, strict=True)
             ]
         return await to_thread.run_sync(self._decode_large, imgs, datas, names, thumbnails)
+
+    def decode(self, data: bytes, name: str) -> np.ndarray:
+        """The pixels of an upload left encoded (`prepare_async(encoded=True)`), decoded where
+        the model runs; ImageError as the front would have raised it."""
+        return self.prepare(data, name).pixels
 
     def _decode_large(self, imgs: list, datas, names, thumbnails: bool) -> list[Prepared]:
         out, decoded = [], 0

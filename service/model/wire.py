@@ -6,11 +6,13 @@ pixels and embeddings as raw float32 rows, never pickled; everything else is a n
 below (a dataclass, sent as a JSON object with its `type` and its fields by name), a few hundred
 bytes. A new answer field is one dataclass field here and where it is made and read.
 
-    front -> model   ClassifyJob + pixels, EmbedJob + pixels (an embedding: adds, search),
+    front -> model   ClassifyJob + pixels (or the upload, to decode: `encoded`), EmbedJob +
+                     pixels (an embedding: adds, search),
                      SyncJob (apply the log up to seq; seq 0: a ping)
     model -> front   Batch + float32 rows: one frame per batch, a result per job:
                      ClassifyAnswer, Embedded (its row's offset and length in floats in the
-                     payload), Synced (the version), Failed (a status and why)
+                     payload), Synced (the version), Failed (a status and why; an image's
+                     problem for an upload it decoded)
 
 `min_version`: the front's own gallery version when it sent the job; the model process applies
 the log up to it before voting, so an answer never reads an older gallery than the front had
@@ -26,6 +28,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from service.gallery.query import VoteQuery
+from service.model.embedder import ImageError
 from service.model.runtime import Job
 
 HEAD = struct.Struct("<II")  # header bytes, payload bytes
@@ -97,6 +100,9 @@ class ClassifyJob:
     min_version: int
     query: VoteQuery  # whole, as the route made it (sent as an object of its fields)
     tpr: float | None  # the open-set acceptance rate (None: unknown=off)
+    # the payload: the upload's raw pixels, or (with its name here) the upload itself, its header
+    # checked by the front, for the model process to decode (Uploads.prepare_async(encoded=True))
+    encoded: str | None = None
 
     def model_job(self, pixels):
         return Job("classify", pixels, self.query)
@@ -202,11 +208,16 @@ class Synced:
 @dataclass(slots=True)
 class Failed:
     id: int
-    status: int  # 503: the model process cannot serve now (model_unavailable)
+    status: int  # 503: the model process cannot serve now (model_unavailable); 4xx: the image
     why: str
+    code: str | None = None  # an image's problem (ImageError's code)
 
     def value(self, payload: bytes):
-        raise ModelUnavailable(self.why) if self.status == 503 else RuntimeError(self.why)
+        if self.status == 503:
+            raise ModelUnavailable(self.why)
+        if 400 <= self.status < 500:  # an upload it decoded (ClassifyJob.encoded)
+            raise ImageError(self.status, self.why, self.code)
+        raise RuntimeError(self.why)
 
 
 @dataclass(slots=True)

@@ -6,7 +6,6 @@ from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -14,6 +13,7 @@ from embedding.votes import VOTES
 from service.gallery.labels import normalize_label
 from service.gallery.query import VoteQuery
 from service.http.deps import GuardedRoute, access, ready_state
+from service.http.encode import JSONResponse
 from service.http.inputs import ERRORS, IMAGE_BODY, check_labels, read_uploads
 from service.http.schemas import BatchResult, ClassifyResult
 from service.http.urls import thumbnail_url
@@ -195,7 +195,7 @@ async def classify(request: Request):
     """Classify one image by its neighbours in the gallery"""
     state, query, tpr = read_query(request)
     data = await read_uploads(request, "image", 1)
-    prepared = await state.runtime.uploads.prepare_async(data, ["image"])
+    prepared = await state.runtime.prepare_queries(data, ["image"])
     (r,) = await answers(state, prepared, query, tpr, request.app.state.review)
     return JSONResponse(r)
 
@@ -207,6 +207,6 @@ async def classify_batch(request: Request):
     limit = state.settings.max_images_per_request
     datas = await read_uploads(request, "images", limit)
     names = [f"images[{i}]" for i in range(len(datas))]
-    prepared = await state.runtime.uploads.prepare_async(datas, names)
+    prepared = await state.runtime.prepare_queries(datas, names)
     review = request.app.state.review
     return JSONResponse({"results": await answers(state, prepared, query, tpr, review)})

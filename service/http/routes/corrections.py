@@ -10,11 +10,11 @@ replayed, a write key needed where keys are set."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from service.gallery.labels import check_label, normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
+from service.http.encode import JSONResponse
 from service.http.fields import MAX_IDS, ItemId
 from service.http.idempotency import REPLAYED, keyed_write
 from service.http.inputs import IDEMPOTENCY_PARAMETER, idempotency_key

@@ -7,12 +7,12 @@ from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from embedding.thumbnails import thumbnail_mime
 from service.gallery.labels import LABEL_PATTERN, check_label, normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
+from service.http.encode import JSONResponse
 from service.http.fields import ItemId
 from service.http.idempotency import REPLAYED, keyed_write
 from service.http.inputs import (

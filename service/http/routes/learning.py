@@ -7,11 +7,11 @@ from __future__ import annotations
 import contextlib
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from service import learn_job
 from service.http.deps import GuardedRoute, StateDep, access
+from service.http.encode import JSONResponse
 from service.http.problems import Problem
 from service.store import StoreUnavailable
 

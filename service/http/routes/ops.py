@@ -7,10 +7,10 @@ import os
 import socket
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from service.http.deps import GuardedRoute, StateDep, access, may_read, scope_of
+from service.http.encode import JSONResponse
 from service.http.problems import Problem
 from service.http.schemas import SnapshotResult
 from service.store import StoreUnavailable

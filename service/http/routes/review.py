@@ -9,12 +9,12 @@ from collections import Counter
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from embedding.thumbnails import thumbnail_mime
 from service.gallery.labels import check_label
 from service.http.deps import GuardedRoute, StateDep, access
+from service.http.encode import JSONResponse
 from service.http.idempotency import REPLAYED, keyed_write
 from service.http.inputs import IDEMPOTENCY_PARAMETER
 from service.http.problems import Problem

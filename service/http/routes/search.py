@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from service.gallery.labels import normalize_label
 from service.http.deps import GuardedRoute, StateDep, access
+from service.http.encode import JSONResponse
 from service.http.inputs import ERRORS, IMAGE_BODY, check_labels, read_uploads
 from service.http.schemas import SearchResult
 from service.http.urls import thumbnail_url

@@ -9,13 +9,13 @@ from dataclasses import asdict
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from embedding.votes import VOTES
 from service.gallery.labels import normalize_label
 from service.gallery.suggest import suggest
 from service.http.deps import GuardedRoute, StateDep, access
+from service.http.encode import JSONResponse
 from service.http.problems import Problem
 from service.http.urls import queued_thumbnail_url, thumbnail_url
 from service.review.groups import MAX_QUERIES

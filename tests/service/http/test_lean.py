@@ -51,8 +51,12 @@ def test_the_classify_routes_answer_without_the_router(
         assert r.status_code == 415 and r.headers["x-request-id"], r.text
         r = c.post("/classify", headers={**key, "X-Min-Gallery-Version": "10000"})
         assert r.status_code == 422 and r.json()["code"] == "version_unknown", r.text
-        # anything else still goes through the router
-        assert c.get("/gallery/labels", headers=key).status_code == 500
+        # anything else still goes through the router (FastAPI's stack inside the context: its
+        # bug is the same 500 problem, not the framework's plain-text one)
+        r = c.get("/gallery/labels", headers=key)
+        assert r.status_code == 500 and r.json()["code"] == "internal_error", r.text
+        assert r.headers["content-type"] == "application/problem+json"
+        assert r.headers["x-request-id"] in r.json()["detail"]
         monkeypatch.undo()
         metrics = c.get("/metrics", headers=key).text
         assert _count(metrics, "/classify", "200") == 2

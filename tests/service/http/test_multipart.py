@@ -53,3 +53,31 @@ def test_part_limit_and_wrong_content_type():
         file_parts(b"{}", "application/json", 4)
     with pytest.raises(FormError, match="boundary"):
         file_parts(body, "multipart/form-data", 4)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b' form-data; name="image"; filename="q.png"',  # what httpx, requests, curl send
+        b'form-data; name="images"',
+        b'form-data; name="a"; filename=""',
+        b'FORM-DATA ; name="i" ; filename="f.png" \t',
+        b'attachment; name="x"; filename="\xe9t\xe9.png"',
+        # not the plain form: the general parser's answer
+        b'form-data; filename="x"; name="a"',
+        b'form-data; name="a\\"b"; filename="C:\\\\dir\\\\y.png"',
+        b"form-data; name=image; filename=q.png",
+        b'form-data; name="a;b"',
+        b"form-data; name=\"a\"; filename*=utf-8''x.png",
+        b'form-data; Name="a"',
+        b"form-data",
+        b"",
+    ],
+)
+def test_a_parts_name_and_filename_are_the_general_parsers(value):
+    from python_multipart.multipart import parse_options_header
+
+    from service.http.multipart import disposition
+
+    _, p = parse_options_header(value)
+    assert disposition(value) == (p.get(b"name"), p.get(b"filename"))

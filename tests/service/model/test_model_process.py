@@ -2,6 +2,7 @@
 service/model_process.py): real snca-serve processes, the model process found by /readyz's
 model_pid and killed for real."""
 
+import io
 import os
 import shutil
 import signal
@@ -10,9 +11,17 @@ import time
 
 import httpx
 import pytest
+from PIL import Image
 
 from service.model.engines import ENGINES
 from tests.service.helpers import Server, of_class, png
+from tests.service.hostile_images import corpus
+
+
+def corpus_truncated(data: bytes) -> bytes:
+    """`data` (a PNG) cut short: its header reads, its pixels do not."""
+    return data[: len(data) // 2]
+
 
 H = "X-Min-Gallery-Version"
 
@@ -326,6 +335,17 @@ def _answers(url: str, images: list[bytes]) -> list:
         out.append(("unknown label", r.status_code, r.json()["code"]))
         r = c.post("/classify", files={"image": ("q.png", b"not an image")})
         out.append(("not an image", r.status_code, r.json()["code"]))
+        # every file of the hostile corpus: the same status and problem whichever process
+        # decodes it (a model process decodes small queries itself: the front reads the header)
+        for name, data, _ in corpus(Image.open(io.BytesIO(images[0]))):
+            r = c.post("/classify", files={"image": (name, data)})
+            body = r.json()
+            out.append(
+                (name, r.status_code, body.get("code"), body.get("detail"), body.get("label"))
+            )
+        bad = corpus_truncated(images[0])
+        r = c.post("/classify/batch", files=[("images", ("i", b)) for b in (images[0], bad, bad)])
+        out.append(("a batch with two truncated", r.status_code, r.json()["detail"]))
         ready = c.get("/readyz").json()
         out.append(
             ("readyz", {k: ready[k] for k in ("items", "gallery_version", "gallery_checksum")})
