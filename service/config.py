@@ -220,7 +220,9 @@ class Settings(BaseSettings):
         gt=0,
         le=60,
         description="replicas: how often to look for other processes' writes (default: 0.01 s "
-        "on SQLite, which has no notifications; 1 s on PostgreSQL, a fallback for LISTEN/NOTIFY)",
+        "on SQLite, which has no notifications, 0.1 s (or this, if longer) after 2 s without a "
+        "write while no request waits for a version; 1 s on PostgreSQL, a fallback for "
+        "LISTEN/NOTIFY)",
     )
     min_version_wait_s: float = Field(
         2.0,

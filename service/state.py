@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,13 @@ from service.store.records import (
 )
 
 log = logging.getLogger("snca.service")
+
+# A follower that polls (SQLite) looks every IDLE_POLL_S instead of every SNCA_FOLLOW_POLL_S once
+# no write has been seen for IDLE_AFTER_S: an idle worker spent ~4 % of a core on each of its two
+# processes polling every 10 ms (docs/PERFORMANCE.md); a first write after a quiet spell is then
+# seen up to IDLE_POLL_S late by the other processes, unless a request waits for it.
+IDLE_AFTER_S = 2.0
+IDLE_POLL_S = 0.1
 
 
 class ServiceState:
@@ -82,6 +90,11 @@ class ServiceState:
         self.started = time.time()
         self.update_gauges()
         self._poll_s = settings.follow_poll_s or store.default_poll_s
+        # while no write has come for IDLE_AFTER_S, a polling follower (SQLite) looks every
+        # IDLE_POLL_S instead (~4 % of a core per process at 10 ms), unless requests wait for
+        # a version (`eager`: set by the app, service/http/admission.py)
+        self._changed_at = time.monotonic()
+        self.eager: Callable[[], bool] = lambda: False
         self._follower = threading.Thread(target=self._follow, name="snca-follow", daemon=True)
         self._follower.start()
 
@@ -261,8 +274,9 @@ class ServiceState:
         """The follower thread: wait for the store's head to move, then catch up."""
         while not self._closed and self.carried_away is None:
             try:
-                head = self.store.wait_head(self.gallery.version, self._poll_s)
+                head = self.store.wait_head(self.gallery.version, self._follow_timeout())
                 if head > self.gallery.version and not self._closed:
+                    self._changed_at = time.monotonic()
                     self.catch_up()
                 if self.follow_error is not None:  # the store is back: so may writes be
                     log.info("following the gallery store again")
@@ -278,7 +292,15 @@ class ServiceState:
                 log.exception("following the gallery store failed")
                 time.sleep(1.0)
 
+    def _follow_timeout(self) -> float:
+        """How long the follower waits for the head: SNCA_FOLLOW_POLL_S, or IDLE_POLL_S (if
+        longer) once nothing was written for IDLE_AFTER_S and no request waits for a version."""
+        if time.monotonic() - self._changed_at < IDLE_AFTER_S or self.eager():
+            return self._poll_s
+        return max(self._poll_s, IDLE_POLL_S)
+
     def _after_write(self) -> None:
+        self._changed_at = time.monotonic()  # (writes here: others' may follow soon)
         self.update_gauges()
         self.writes_since_snapshot += 1
         if (

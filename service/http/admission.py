@@ -28,3 +28,4 @@ class Admission:
     def attach(self, state: ServiceState) -> None:
         """Parked requests wake when the thread applying a write reaches their version."""
         state.gallery.on_version = self.waits.notify
+        state.eager = lambda: self.waits.parked > 0  # (the follower polls at its full rate)
