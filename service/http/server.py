@@ -29,6 +29,49 @@ def raise_fd_limit(wanted: int) -> int:
     return soft
 
 
+class Coalesced:
+    """A transport whose writes within one turn of the event loop leave as one: uvicorn writes
+    a response's head and its body separately, and on loopback each write is a send that runs
+    the receiver's TCP stack too (a small /classify's two writes were ~a fifth of the front's
+    CPU, docs/PERFORMANCE.md). Everything else is the transport's own; closing or aborting
+    sends (or drops) what is held first."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+
+    def write(self, data) -> None:
+        if not self._held:
+            self._loop.call_soon(self.flush)
+        self._held.append(bytes(data))
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        if self._held:
+            data = b"".join(self._held) if len(self._held) > 1 else self._held[0]
+            self._held.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._held))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held.clear()
+        self._transport.abort()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
 def guarded_protocol(settings: Settings) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol (h11 where httptools is missing) with a header deadline
     of `settings.header_timeout_s` from the connection (or the request's first byte on a kept-
@@ -48,6 +91,7 @@ def guarded_protocol(settings: Settings) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self.transport = Coalesced(transport, self.loop)  # (the flow control: the real one)
             if len(self.connections) > cap:
                 transport.write(
                     raw_response(
