@@ -17,7 +17,14 @@ from anyio import to_thread
 from embedding.sysalloc import release_free_memory
 from embedding.thumbnails import make_thumbnail
 from service.config import Settings
-from service.model.embedder import FORMATS, ImageError, Preprocessing, load_image, open_image
+from service.model.embedder import (
+    FORMATS,
+    ImageError,
+    Preprocessing,
+    load_image,
+    open_image,
+    png_size,
+)
 
 # Images up to this many pixels (per request) are decoded on the event loop: ~50 us for a
 # 28x28 PNG, against ~150 us+ for a hop to a worker thread and back under load.
@@ -85,6 +92,15 @@ class Uploads:
         request holds at most one decoded image. `encoded` (the model process decodes them,
         `decode`): small images are left encoded once their headers pass."""
         s = self.settings
+        if encoded and not thumbnails and len(datas) == 1:
+            size = png_size(datas[0])
+            if size is not None and 0 < size[0] * size[1] <= min(
+                INLINE_PIXELS, s.max_image_pixels, s.max_request_pixels
+            ):
+                # one small PNG (the usual query): its header read without Pillow; whatever else
+                # is wrong with it the model process's open_image finds, as this one's would, and
+                # with a single image no other problem could have come first
+                return [Prepared(None, datas[0], FORMATS["PNG"], None, names[0])]
         imgs = [open_image(d, s.max_image_pixels, n) for d, n in zip(datas, names, strict=True)]
         pixels = sum(i.size[0] * i.size[1] for i in imgs)
         if pixels > s.max_request_pixels:

@@ -52,6 +52,17 @@ def exif_rotated_jpeg(img: Image.Image) -> bytes:
     return _save(stored, "JPEG", quality=95, exif=exif.tobytes())
 
 
+def _flip(data: bytes, at: int) -> bytes:
+    """`data` with one byte inverted."""
+    return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
+
+
+def _zero_width(png: bytes) -> bytes:
+    """`png` with its IHDR's width set to 0 (and the chunk's CRC made right for it)."""
+    ihdr = b"IHDR" + bytes(4) + png[20:29]
+    return png[:8] + struct.pack(">I", 13) + ihdr + struct.pack(">I", zlib.crc32(ihdr)) + png[33:]
+
+
 def corpus(base: Image.Image) -> list[tuple[str, bytes, set[int]]]:
     rng = np.random.default_rng(0)
     grey = base.convert("L")
@@ -83,6 +94,10 @@ def corpus(base: Image.Image) -> list[tuple[str, bytes, set[int]]]:
             {413},
         ),
         ("1x1.png", _save(Image.new("L", (1, 1), 128), "PNG"), {200}),
+        # a small header that reads (a front may read only that much) over a broken file
+        ("bad-ihdr-crc.png", _flip(_save(grey, "PNG"), 29), {400}),
+        ("zero-width.png", _zero_width(_save(grey, "PNG")), {400}),
+        ("ihdr-then-nothing.png", _save(grey, "PNG")[:33], {400}),
         ("1x100000.png", _save(Image.new("L", (1, 100000), 90), "PNG"), {200}),
         ("100000x1.png", _save(Image.new("L", (100000, 1), 90), "PNG"), {200}),
         ("16-bit.png", _save(Image.fromarray(np.asarray(grey, np.uint16) * 257), "PNG"), {200}),

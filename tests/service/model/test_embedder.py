@@ -190,3 +190,26 @@ def test_the_service_runs_numpy_blas_on_one_thread(base_run, tmp_path):
     finally:
         host.stop()
         threadpool_limits({d["prefix"]: d["num_threads"] for d in before})
+
+
+def test_a_pngs_size_read_from_its_header_is_pillows():
+    import io
+
+    from PIL import Image
+
+    from service.model.embedder import png_size
+    from tests.service.hostile_images import corpus
+
+    base = Image.fromarray((torch.arange(784).reshape(28, 28) % 251).to(torch.uint8).numpy())
+    seen = 0
+    for name, data, _ in corpus(base):
+        try:
+            want = Image.open(io.BytesIO(data)).size
+            fmt = Image.open(io.BytesIO(data)).format
+        except Exception:
+            continue
+        got = png_size(data)
+        assert got == (want if fmt == "PNG" else None), name
+        seen += fmt == "PNG"
+    assert seen >= 10
+    assert png_size(b"\x89PNG\r\n\x1a\n") is None and png_size(b"") is None
