@@ -60,6 +60,19 @@ class Store(ABC):
     def claims(cls, target: str | Path) -> bool:
         """Whether `target` (SNCA_STORE) names a store of this backend."""
 
+    @classmethod
+    @abstractmethod
+    def meta_of(cls, target: str | Path) -> dict[str, str]:
+        """The meta table of the store at `target` as it is (no model needed: housekeeping);
+        ArtifactError when it holds no gallery."""
+
+    @classmethod
+    def as_found(cls, target: str | Path) -> Store:
+        """The store at `target` opened for the model it belongs to (housekeeping needs no
+        model: compaction, backups, the carry's galleries)."""
+        meta = cls.meta_of(target)
+        return cls(target, None, meta.get("model_fingerprint", ""), meta.get("index_id", ""))
+
     def _take(self, meta: dict[str, str], model_fingerprint: str, index_id: str, *,
               other_model: str, new_place: str) -> None:  # fmt: skip
         """Serve this store only if it belongs to the served model and was seeded from its

@@ -36,6 +36,7 @@ from embedding.gallery import (
     ADDED_COLUMNS,
     ITEM_COLUMNS,
     LABEL_CHANGES_FROM_TOMBSTONES,
+    READABLE_SCHEMAS,
     SQL_TYPES,
     STORE_ID,
     STORE_SCHEMA_VERSION,
@@ -138,34 +139,40 @@ class PostgresStore(Store):
         model_fingerprint: str,
         index_id: str,
         seed_meta: dict[str, str] | None = None,
+        _conn=None,
     ):
-        """SqliteStore.__init__, on the database (schema) `url`."""
+        """SqliteStore.__init__, on the database (schema) `url` (`_conn`: a connection to it
+        that the store takes, from as_found)."""
         self.psycopg = _driver()
         url = str(url)
         self._dsn = url
         self.url = redact(url)
         self._lock = threading.Lock()
-        self._conn = None
+        self._conn = _conn
         self._follow_lock = threading.Lock()
         self._listen = None
         self._closing = False
         try:
-            self._seed_once(seed, seed_meta or {})
-            self._upgrade()
-            meta = self.meta()
-        except records.StoreUnavailable as e:
-            raise ArtifactError(f"cannot use the gallery store {self.url}: {e}") from None
-        self._take(
-            meta, model_fingerprint, index_id,
-            other_model="build this model's gallery beside it first (snca-gallery upgrade "
-            "--to THIS_RUN_DIR), or use a new database",
-            new_place="a new database",
-        )  # fmt: skip
-        if meta.get("schema_version") != str(STORE_SCHEMA_VERSION):
-            raise ArtifactError(
-                f"gallery store {self.url} has schema {meta.get('schema_version')}; this version "
-                f"reads {STORE_SCHEMA_VERSION}"
-            )
+            try:
+                self._seed_once(seed, seed_meta or {})
+                self._upgrade()
+                meta = self.meta()
+            except records.StoreUnavailable as e:
+                raise ArtifactError(f"cannot use the gallery store {self.url}: {e}") from None
+            self._take(
+                meta, model_fingerprint, index_id,
+                other_model="build this model's gallery beside it first (snca-gallery upgrade "
+                "--to THIS_RUN_DIR), or use a new database",
+                new_place="a new database",
+            )  # fmt: skip
+            if meta.get("schema_version") != str(STORE_SCHEMA_VERSION):
+                raise ArtifactError(
+                    f"gallery store {self.url} has schema {meta.get('schema_version')}; this "
+                    f"version reads {STORE_SCHEMA_VERSION}"
+                )
+        except BaseException:
+            self._drop()  # (a store refused here is never closed by its caller)
+            raise
 
     # ------------------------------------------------------------------ as found (tools)
     @classmethod
@@ -240,6 +247,23 @@ class PostgresStore(Store):
             ).fetchone()
             is not None
         )
+
+    @classmethod
+    def as_found(cls, target) -> PostgresStore:
+        """Store.as_found on one connection: the meta is read on the connection the store then
+        keeps (a new connection is a new server process: the carry and the tools open a store
+        for each step)."""
+        conn = cls._connect_to(str(target), autocommit=True)
+        try:
+            if not cls._holds_gallery(conn):
+                raise ArtifactError(f"{redact(str(target))} holds no gallery")
+            meta = dict(conn.execute(sql.META).fetchall())
+            conn.autocommit = False  # (as _connect makes the store's own)
+        except BaseException:
+            conn.close()
+            raise
+        fp, ix = meta.get("model_fingerprint", ""), meta.get("index_id", "")
+        return cls(target, None, fp, ix, _conn=conn)
 
     @classmethod
     def meta_of(cls, target) -> dict[str, str]:
@@ -438,6 +462,11 @@ class PostgresStore(Store):
             row = conn.execute(D.q(sql.META_KEY), ("schema_version",)).fetchone()
             if row is None or row[0] == str(STORE_SCHEMA_VERSION):
                 return
+            if row[0] not in READABLE_SCHEMAS:  # a newer version's: never "upgraded" down
+                raise ArtifactError(
+                    f"gallery store {self.url} has schema {row[0]}, which this version cannot "
+                    f"read (it reads {', '.join(READABLE_SCHEMAS)}): a newer version wrote it"
+                )
             # each column the database lacks (columns are only ever added)
             for table, column, type_ in ADDED_COLUMNS:
                 conn.execute(

@@ -36,9 +36,7 @@ def backend_class(target: str | Path) -> type:
 def open_as_found(target: str | Path) -> Store:
     """The store at `target` opened for the model it belongs to (housekeeping needs no
     model: compaction, backups)."""
-    cls = backend_class(target)
-    meta = cls.meta_of(target)
-    return cls(target, None, meta.get("model_fingerprint", ""), meta.get("index_id", ""))
+    return backend_class(target).as_found(target)
 
 
 def locate_gallery(

@@ -71,3 +71,55 @@ def test_a_catch_up_never_waits_behind_the_followers_long_poll(postgres, base_ru
     finally:
         store.close()  # (ends the long poll within a second)
         t.join(timeout=5)
+
+
+def test_a_gallery_opened_as_found_is_one_connection(postgres, base_run):
+    """The tools and the carry open a store as found (registry.open_as_found) for each step;
+    each connection is a server process. The meta is read on the connection the store keeps:
+    one backend for the open (it was two: 3,490 connections in the carry model's PostgreSQL
+    test, 1,427 since), and none left open by an open that is refused. A gallery a newer
+    version wrote is refused and left as it is (its schema version was overwritten with this
+    version's, as if upgraded)."""
+    from embedding.errors import ArtifactError
+    from service.store.registry import open_as_found
+
+    seed = base_run / "index" / "gallery.sqlite"
+    meta = dict(sqlite3.connect(seed).execute("SELECT key, value FROM meta"))
+    url = postgres.new_database()
+    PostgresStore(url, seed, meta["model_fingerprint"], meta["index_id"]).close()
+    db = url.rsplit("/", 1)[1]
+
+    def backends() -> int:
+        with psycopg.connect(postgres.url(), autocommit=True) as c:
+            q = "SELECT count(*) FROM pg_stat_activity WHERE datname = %s"
+            return c.execute(q, (db,)).fetchone()[0]
+
+    seen = []
+    real = psycopg.connect
+
+    def counted(*a, **k):
+        seen.append(a[0] if a else k.get("conninfo"))
+        return real(*a, **k)
+
+    psycopg.connect = counted
+    try:
+        store = open_as_found(url)
+    finally:
+        psycopg.connect = real
+    try:
+        assert len(seen) == 1 and backends() == 1
+        assert store.meta()["model_fingerprint"] == meta["model_fingerprint"]
+        assert store.add("x", np.eye(1, store.dim, dtype=np.float32), [None], [None])[0] > 0
+    finally:
+        store.close()
+    with psycopg.connect(url, autocommit=True) as c:  # a newer version's: refused
+        c.execute("UPDATE meta SET value = '999' WHERE key = 'schema_version'")
+    try:
+        open_as_found(url)
+        raise AssertionError("a newer version's gallery was opened")
+    except ArtifactError as e:
+        assert "has schema 999, which this version cannot read" in str(e)
+    assert backends() == 0  # (the refused store left no connection open)
+    with psycopg.connect(url, autocommit=True) as c:  # (it was "upgraded" down to this one's)
+        q = "SELECT value FROM meta WHERE key = 'schema_version'"
+        assert c.execute(q).fetchone()[0] == "999"
