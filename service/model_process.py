@@ -161,7 +161,7 @@ class Server:
                 out.append(Failed(j.id, 503, why))
                 continue
             try:
-                pixels = self._pixels(j, p)
+                pixels = j.pixels(p, self.shape, self.rt.uploads)
             except ImageError as e:  # (an upload left encoded: its problem, as the front's)
                 out.append(Failed(j.id, e.status, e.message, e.code))
                 continue
@@ -184,18 +184,6 @@ class Server:
                     out.append(j.result(r, ctx))
         waited = time.perf_counter() - batch[0][2]
         return frame(Batch(len(model), waited, out), ctx.payload())
-
-    def _pixels(self, job, payload: bytes):
-        """A job's model input: its payload's pixels, or the upload it carries decoded
-        (ClassifyJob.encoded); None for a job without (a sync)."""
-        import numpy as np
-
-        if not payload:
-            return None
-        name = getattr(job, "encoded", None)
-        if name is not None:
-            return self.rt.uploads.decode(payload, name)
-        return np.frombuffer(payload, np.uint8).reshape(self.shape)
 
 
 def read_settings(fd: int) -> dict | None:

@@ -150,7 +150,8 @@ class GuardedRoute(APIRoute):
         level = self.access
         check_access(request, level)
         names = self.query_names
-        unknown = request.query_params.keys() - names
+        # (no query string, the usual /classify: nothing to parse)
+        unknown = request.scope.get("query_string") and request.query_params.keys() - names
         if unknown:
             takes = ", ".join(sorted(names)) or "none"
             raise Problem(

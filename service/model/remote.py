@@ -392,7 +392,8 @@ class RemoteRuntime(Runtime):
             else self._send(ClassifyJob(next(self._ids), v, query, tpr), _raw(p.pixels))
             for p in prepared
         ]
-        return [_answer(r, tpr, self.settings) for r in await asyncio.gather(*futs)]
+        got = [await futs[0]] if len(futs) == 1 else await asyncio.gather(*futs)  # (/classify)
+        return [_answer(r, tpr, self.settings) for r in got]
 
     async def embed(self, p: Prepared) -> np.ndarray:
         self._admit(1)

@@ -21,11 +21,14 @@ the log up to it before voting, so an answer never reads an older gallery than t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import numpy as np
+import orjson
 
 from service.gallery.query import VoteQuery
 from service.model.embedder import ImageError
@@ -39,9 +42,26 @@ MAX_PAYLOAD = 1 << 30
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
+def _loads(header) -> object:
+    """A frame's JSON header: orjson (a few times faster), json for what orjson refuses and
+    json.dumps writes (NaN, Infinity, integers beyond 64 bits), so every header reads back."""
+    try:
+        return orjson.loads(header)
+    except orjson.JSONDecodeError:
+        return json.loads(header)
+
+
 def frame(record, payload=b"") -> bytes:
-    """A record (below) and its payload as one frame."""
-    h = _dumps(encode(record)).encode()
+    """A record (below) and its payload as one frame: written by orjson where every float
+    it holds is finite (`finite`: it writes NaN and infinities as null, json as NaN and
+    Infinity), by json otherwise."""
+    obj = encode(record)
+    h = None
+    if record.finite:
+        with contextlib.suppress(TypeError):  # (an integer beyond 64 bits)
+            h = orjson.dumps(obj)
+    if h is None:
+        h = _dumps(obj).encode()
     return b"".join((HEAD.pack(len(h), len(payload)), h, payload))
 
 
@@ -63,7 +83,7 @@ class FrameReader:
             if len(buf) < end:
                 break
             h0 = at + HEAD.size
-            out.append((decode(json.loads(buf[h0 : h0 + nh])), bytes(buf[h0 + nh : end])))
+            out.append((decode(_loads(buf[h0 : h0 + nh])), bytes(buf[h0 + nh : end])))
             at = end
         if at:
             del buf[:at]
@@ -91,11 +111,19 @@ class ModelBusy(ModelUnavailable):
         self.retry_after = retry_after
 
 
-# Jobs (front -> model). `model_job(pixels)`: what the model thread runs (None: nothing, the
-# answer is the gallery's version); `result(out, ctx)`: the model thread's output -> the record
-# sent back (ctx: the batch's payload rows, thresholds and version: model_process.Server).
+# Jobs (front -> model). `pixels(payload, shape, uploads)`: the model input the payload
+# carries (ImageError: an upload it could not decode); `model_job(pixels)`: what the model
+# thread runs (None: nothing, the answer is the gallery's version); `result(out, ctx)`: the model
+# thread's output -> the record sent back (ctx: the batch's payload rows, thresholds and
+# version: model_process.Server).
+def raw_pixels(payload: bytes, shape: tuple) -> np.ndarray | None:
+    """A payload of raw uint8 pixels as the batch's (C, H, W) image; None for none."""
+    return np.frombuffer(payload, np.uint8).reshape(shape) if payload else None
+
+
 @dataclass(slots=True)
 class ClassifyJob:
+    finite: ClassVar[bool] = True  # its floats are validated finite (frame)
     id: int
     min_version: int
     query: VoteQuery  # whole, as the route made it (sent as an object of its fields)
@@ -103,6 +131,11 @@ class ClassifyJob:
     # the payload: the upload's raw pixels, or (with its name here) the upload itself, its header
     # checked by the front, for the model process to decode (Uploads.prepare_async(encoded=True))
     encoded: str | None = None
+
+    def pixels(self, payload: bytes, shape: tuple, uploads):
+        if self.encoded is not None and payload:
+            return uploads.decode(payload, self.encoded)
+        return raw_pixels(payload, shape)
 
     def model_job(self, pixels):
         return Job("classify", pixels, self.query)
@@ -116,8 +149,12 @@ class ClassifyJob:
 
 @dataclass(slots=True)
 class EmbedJob:
+    finite: ClassVar[bool] = True  # no float (frame)
     id: int
     min_version: int
+
+    def pixels(self, payload: bytes, shape: tuple, uploads):
+        return raw_pixels(payload, shape)
 
     def model_job(self, pixels):
         return Job("embed", pixels)
@@ -129,12 +166,16 @@ class EmbedJob:
 
 @dataclass(slots=True)
 class SyncJob:
+    finite: ClassVar[bool] = True  # no float (frame)
     id: int
     seq: int  # apply the log up to this write (0: a ping)
 
     @property
     def min_version(self) -> int:
         return self.seq
+
+    def pixels(self, payload: bytes, shape: tuple, uploads) -> None:
+        return None
 
     def model_job(self, pixels) -> None:
         return None
@@ -146,6 +187,7 @@ class ClassifyAnswer:
     """A Classification (service/gallery/gallery.py), its label's open-set threshold at the
     job's rate, and the gallery version the vote read."""
 
+    finite: ClassVar[bool] = False  # a similarity may be -inf (frame)
     id: int
     label: str | None
     confidence: float
@@ -188,6 +230,7 @@ class ClassifyAnswer:
 
 @dataclass(slots=True)
 class Embedded:
+    finite: ClassVar[bool] = True  # no float (frame)
     id: int
     offset: int  # in floats, in the batch's payload
     length: int
@@ -198,6 +241,7 @@ class Embedded:
 
 @dataclass(slots=True)
 class Synced:
+    finite: ClassVar[bool] = True  # no float (frame)
     id: int
     version: int
 
@@ -207,6 +251,7 @@ class Synced:
 
 @dataclass(slots=True)
 class Failed:
+    finite: ClassVar[bool] = True  # no float (frame)
     id: int
     status: int  # 503: the model process cannot serve now (model_unavailable); 4xx: the image
     why: str
@@ -222,6 +267,7 @@ class Failed:
 
 @dataclass(slots=True)
 class Batch:
+    finite: ClassVar[bool] = False  # its answers' similarities may be -inf (frame)
     size: int  # jobs that went through the model
     waited: float  # seconds the oldest job waited
     results: list  # one result record per job
