@@ -3,11 +3,13 @@ CPU per /classify of the front (its event loop and other threads) and of the who
 (front + model process), from /proc, and classify/s, at each concurrency; the two servers are
 loaded in turn, round after round, the order alternating (the VM's speed drifts: only ratios
 measured side by side mean anything). Both serve the same run with the deployed defaults, each
-from its own data dir.
+from its own data dir. `--rates`: also open-loop levels at those fixed offered rates (arrivals
+not paced by the answers), for p50/p99 at a rate both servers can carry.
 
     git worktree add /tmp/base cfa811e
     python benchmarks/front_ab.py --base /tmp/base --prepare --rounds 4 --seconds 8
     python benchmarks/front_ab.py --base /tmp/base --model runs/demo --concurrency 16 64
+    python benchmarks/front_ab.py --base /tmp/base --concurrency 16 --rates 300
 
 The older server runs the worktree's code with this environment's packages (`python -m
 service` from the worktree).
@@ -29,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.image_body import front, service  # noqa: E402
 from benchmarks.service_load import (  # noqa: E402
     RUNS,
+    _open_level,
     _with_cpu,
     load_level,
     prepare,
@@ -40,8 +43,14 @@ from benchmarks.service_load import (  # noqa: E402
 
 
 def summary(rounds: list[dict]) -> dict:
-    """Medians over one server's rounds at one concurrency."""
+    """Medians over one server's rounds at one level (rounds it could not keep up with at an
+    offered rate are counted, not measured)."""
+    over = [r for r in rounds if "overloaded" in r]
+    rounds = [r for r in rounds if "overloaded" not in r]
+    if not rounds:
+        return {"overloaded": len(over)}
     return {
+        "overloaded": len(over),
         "rps": statistics.median(r["rps"] for r in rounds),
         "front_cpu_us": statistics.median(front(r) for r in rounds),
         "service_cpu_us": statistics.median(service(r) for r in rounds),
@@ -64,14 +73,17 @@ def main() -> int:
     ap.add_argument(
         "--concurrency", type=int, nargs="+", default=[16], help="keep-alive connections"
     )
+    ap.add_argument(
+        "--rates", type=float, nargs="*", default=[], help="also open-loop levels at these /s"
+    )
     ap.add_argument("--port", type=int, default=8931, help="the base's; this tree's is +1")
     ap.add_argument("--json", help="also write every round here")
     a = ap.parse_args()
     base = Path(a.base).resolve()
     if not (base / "service" / "__main__.py").is_file():
         ap.error(f"{base} is not a checkout of this project (git worktree add DIR COMMIT)")
-    if a.rounds < 1 or a.seconds <= 0 or min(a.concurrency) < 1:
-        ap.error("--rounds, --seconds and --concurrency must be positive")
+    if a.rounds < 1 or a.seconds <= 0 or min(a.concurrency) < 1 or min(a.rates, default=1) <= 0:
+        ap.error("--rounds, --seconds, --concurrency and --rates must be positive")
     if a.prepare:
         prepare(["conv4"])
     run = Path(a.model).resolve()
@@ -82,7 +94,10 @@ def main() -> int:
     ports = {"base": a.port, "this": a.port + 1}
     dirs = {k: run / f"bench-front-ab-{k}" for k in trees}
     procs = {}
-    got: dict[str, dict[int, list[dict]]] = {k: {c: [] for c in a.concurrency} for k in trees}
+    # the levels: closed loops of c connections, then open loops at r/s
+    levels = [(str(c), load_level, c) for c in a.concurrency]
+    levels += [(f"{r:g}/s", _open_level, r) for r in a.rates]
+    got: dict[str, dict[str, list[dict]]] = {k: {n: [] for n, _, _ in levels} for k in trees}
     try:
         for k, tree in trees.items():
             shutil.rmtree(dirs[k], ignore_errors=True)
@@ -94,15 +109,22 @@ def main() -> int:
                 pool.apply(load_level, ((host, ports[k], reqs[k], max(a.concurrency), 2.0),))
             for i in range(a.rounds):
                 order = list(trees) if i % 2 == 0 else list(reversed(trees))
-                for c in a.concurrency:
+                for name, how, x in levels:
                     for k in order:
-                        args = (host, ports[k], reqs[k], c, a.seconds)
-                        r = _with_cpu(pool, procs[k].pid, load_level, args)
-                        got[k][c].append(r)
+                        args = (host, ports[k], reqs[k], x, a.seconds)
+                        if how is load_level:
+                            r = _with_cpu(pool, procs[k].pid, load_level, args)
+                        else:
+                            r = _open_level(pool, procs[k].pid, args)
+                        got[k][name].append(r)
+                        at = f"round {i + 1} {name:>6s} {k:4s}:"
+                        if "overloaded" in r:
+                            print(f"{at} overloaded ({r['overloaded']})", flush=True)
+                            continue
                         print(
-                            f"round {i + 1} c={c:<3d} {k:4s}: {r['rps']:6.0f}/s errors "
-                            f"{r['errors']}  CPU us/request: front {front(r):.0f}, service "
-                            f"{service(r):.0f}",
+                            f"{at} {r['rps']:6.0f}/s p50 {r['p50_ms']:.2f} p99 {r['p99_ms']:.2f} "
+                            f"ms errors {r['errors']}  CPU us/request: front {front(r):.0f}, "
+                            f"service {service(r):.0f}",
                             flush=True,
                         )
         memory = {k: server_memory(procs[k].pid) for k in trees}
@@ -114,22 +136,32 @@ def main() -> int:
         for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)
     out = {"memory_mb": memory, "levels": {}}
-    for c in a.concurrency:
+    for c, _, _ in levels:
         s = {k: summary(got[k][c]) for k in trees}
         b, t = s["base"], s["this"]
+        if "rps" not in b or "rps" not in t:
+            out["levels"][c] = s
+            print(f"{c}: overloaded in every round ({b['overloaded']} / {t['overloaded']})")
+            continue
+        ratios_at = (
+            f"; p50 {b['p50_ms']:.2f} / {t['p50_ms']:.2f} ms, p99 {b['p99_ms']:.2f} / "
+            f"{t['p99_ms']:.2f} ms (base / this; rounds overloaded {b['overloaded']} / "
+            f"{t['overloaded']})"
+        )
         ratios = {
             "front_cpu": t["front_cpu_us"] / b["front_cpu_us"],
             "service_cpu": t["service_cpu_us"] / b["service_cpu_us"],
             "rps": t["rps"] / b["rps"],
         }
         out["levels"][c] = {**s, "this/base": ratios}
+        level = f"c={c}" if c.isdigit() else f"offered {c}"
         print(
-            f"c={c}, medians of {a.rounds} rounds: base {b['rps']:.0f}/s, front "
+            f"{level}, medians of {a.rounds} rounds: base {b['rps']:.0f}/s, front "
             f"{b['front_cpu_us']:.0f} us, service {b['service_cpu_us']:.0f} us | this "
             f"{t['rps']:.0f}/s, front {t['front_cpu_us']:.0f} us, service "
             f"{t['service_cpu_us']:.0f} us | this/base: front {ratios['front_cpu']:.2f}x, "
             f"service {ratios['service_cpu']:.2f}x, classify/s {ratios['rps']:.2f}x; errors "
-            f"{b['errors']} / {t['errors']}",
+            f"{b['errors']} / {t['errors']}{ratios_at}",
             flush=True,
         )
     for k in trees:
