@@ -111,16 +111,16 @@ class ModelBusy(ModelUnavailable):
         self.retry_after = retry_after
 
 
-# Jobs (front -> model). `pixels(payload, shape, uploads)`: the model input the payload
-# carries (ImageError: an upload it could not decode); `model_job(pixels)`: what the model
-# thread runs (None: nothing, the answer is the gallery's version); `result(out, ctx)`: the model
-# thread's output -> the record sent back (ctx: the batch's payload rows, thresholds and
-# version: model_process.Server).
 def raw_pixels(payload: bytes, shape: tuple) -> np.ndarray | None:
     """A payload of raw uint8 pixels as the batch's (C, H, W) image; None for none."""
     return np.frombuffer(payload, np.uint8).reshape(shape) if payload else None
 
 
+# Jobs (front -> model). `pixels(payload, shape, uploads)`: the model input the payload
+# carries (ImageError: an upload it could not decode); `model_job(pixels)`: what the model
+# thread runs (None: nothing, the answer is the gallery's version); `result(out, ctx)`: the model
+# thread's output -> the record sent back (ctx: the batch's payload rows, thresholds and
+# version: model_process.Server).
 @dataclass(slots=True)
 class ClassifyJob:
     finite: ClassVar[bool] = True  # its floats are validated finite (frame)

@@ -255,9 +255,7 @@ class PostgresStore(Store):
         for each step)."""
         conn = cls._connect_to(str(target), autocommit=True)
         try:
-            if not cls._holds_gallery(conn):
-                raise ArtifactError(f"{redact(str(target))} holds no gallery")
-            meta = dict(conn.execute(sql.META).fetchall())
+            meta = cls._meta_on(conn, target)
             conn.autocommit = False  # (as _connect makes the store's own)
         except BaseException:
             conn.close()
@@ -269,11 +267,16 @@ class PostgresStore(Store):
     def meta_of(cls, target) -> dict[str, str]:
         conn = cls._connect_to(str(target), autocommit=True)
         try:
-            if not cls._holds_gallery(conn):
-                raise ArtifactError(f"{redact(str(target))} holds no gallery")
-            return dict(conn.execute(sql.META).fetchall())
+            return cls._meta_on(conn, target)
         finally:
             conn.close()
+
+    @classmethod
+    def _meta_on(cls, conn, target) -> dict[str, str]:
+        """The meta table of the gallery `conn` reaches; ArtifactError when it holds none."""
+        if not cls._holds_gallery(conn):
+            raise ArtifactError(f"{redact(str(target))} holds no gallery")
+        return dict(conn.execute(sql.META).fetchall())
 
     @classmethod
     def dump(cls, target, dest: Path) -> None:
