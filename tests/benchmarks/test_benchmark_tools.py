@@ -120,3 +120,47 @@ def test_vote_precision_times_every_kind_and_names_the_cpu(tmp_path):
         "fp32 q@rows^T", "bf16 q@rows^T", "bf16 rows@q^T", "fp16 q@rows^T", "fp16 rows@q^T"
     }  # fmt: skip
     assert all(v > 0 for v in r["ms"]["4"].values())
+
+
+def test_vote_screen_keeps_the_exact_votes_label_best_and_score(base_run, tmp_path):
+    """The reduced-precision prototype (issue 55, point 3) on a trained run: every query's
+    label, best similarity and open-set score are the exact vote's (proven by the margin, or
+    the query voted again; re-scored from the error band), which a band too narrow breaks."""
+    out = tmp_path / "screen.json"
+    p = tool(
+        "benchmarks/vote_screen.py", str(base_run),
+        *("--queries", "96", "--batches", "1,4", "--repeat", "2", "--json", str(out)),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(out.read_text())
+    a = r["agreement"]
+    assert a["queries"] == 96 and a["top1_same"] == 96, a
+    assert a["max_abs_dbest"] < 1e-5 and a["max_abs_dscore"] < 1e-5, a
+    assert 0 < r["max_abs_dz_seen"] <= r["error_band_z"], r
+    assert set(r["rows_carrying_density"]) == {"0.001", "0.0001", "1e-06"}
+    assert set(r["ms"]) == {"1", "4"} and all(v["screened"] > 0 for v in r["ms"].values())
+
+
+def test_vote_screen_is_exact_where_bfloat16_cannot_tell_the_rows_apart():
+    """Rows crowded around each query closer than bfloat16 resolves (cosines a few 1e-3 apart;
+    bfloat16's step near 1 is 4e-3), three labels mixed in each crowd: the approximate order
+    of rows and of labels is noise, and still the screened vote's label, best similarity and
+    score are the exact vote's (a re-score band narrower than 2·EZ, or a label taken without
+    its proof, breaks it)."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.vote_screen import Votes
+
+    for spread in (0.01, 0.02):  # (the narrower crowd catches the score's band, the wider the rest)
+        g = torch.Generator().manual_seed(0)
+        centres = F.normalize(torch.randn(48, 32, generator=g), dim=1)  # (Q, d)
+        noise = spread * torch.randn(48 * 40, 32, generator=g)
+        rows = F.normalize(centres.repeat_interleave(40, 0) + noise, dim=1)  # (40 Q, d)
+        labels = torch.randint(0, 3, (48 * 40,), generator=g)
+        votes = Votes(rows, labels, 0.05)
+        e, s = votes.exact(centres), votes.screened(centres)
+        assert torch.equal(e[2][:, 0], s[2][:, 0]), spread
+        assert torch.allclose(e[0], s[0], rtol=0, atol=1e-6), (spread, (e[0] - s[0]).abs().max())
+        assert torch.allclose(e[4], s[4], rtol=0, atol=1e-6), (spread, (e[4] - s[4]).abs().max())
+        assert 0 < s[5] < len(centres)  # some labels proven, some voted again
