@@ -161,6 +161,6 @@ def test_vote_screen_is_exact_where_bfloat16_cannot_tell_the_rows_apart():
         votes = Votes(rows, labels, 0.05)
         e, s = votes.exact(centres), votes.screened(centres)
         assert torch.equal(e[2][:, 0], s[2][:, 0]), spread
-        assert torch.allclose(e[0], s[0], rtol=0, atol=1e-6), (spread, (e[0] - s[0]).abs().max())
-        assert torch.allclose(e[4], s[4], rtol=0, atol=1e-6), (spread, (e[4] - s[4]).abs().max())
+        assert torch.allclose(e[0], s[0], rtol=0, atol=1e-5), (spread, (e[0] - s[0]).abs().max())
+        assert torch.allclose(e[4], s[4], rtol=0, atol=1e-5), (spread, (e[4] - s[4]).abs().max())
         assert 0 < s[5] < len(centres)  # some labels proven, some voted again
