@@ -197,6 +197,10 @@ def main() -> None:
     torch.set_num_threads(1)
     d = load(a.run, a.queries)
     rows, labels, queries, sigma = d["rows"], d["labels"], d["queries"], d["temperature"]
+    if 2.0 / sigma > 80.0:  # kde_dtype's float64 kernel, which the prototype does not have
+        ap.error(
+            f"{a.run}: temperature {sigma} needs the float64 kernel (2/σ > 80): not prototyped"
+        )
     votes = Votes(rows, labels, sigma)
     exact, screened, gt, gbt = votes.exact, votes.screened, votes.gt, votes.gbt
     c, ez = votes.c, votes.ez
