@@ -31,6 +31,14 @@ class Metrics:
             registry=r,
             buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
         )
+        self.model_seconds = Counter(
+            "snca_model_seconds",
+            "seconds the model spent on its batches, by phase: decode (uploads the model "
+            "process decoded), forward, vote (the votes and world checks), other (the model "
+            "process's catching up with the log, answers and framing)",
+            ["phase"],
+            registry=r,
+        )
         self.gallery_items = Gauge(
             "snca_gallery_items", "live gallery items", ["source"], registry=r
         )

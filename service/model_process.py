@@ -146,6 +146,9 @@ class Server:
 
     def answer(self, batch: list) -> bytes:
         """One frame with the batch's results."""
+        t0 = time.perf_counter()
+        decoding = 0.0
+        self.rt.spent = {}
         g, st = self.state.gallery, self.state
         need = max(j.min_version for j, _, _ in batch)  # jobs: the front's version; syncs: seq
         caught_up = True
@@ -160,11 +163,14 @@ class Server:
                 why = "the model process cannot read the gallery store to apply the latest writes"
                 out.append(Failed(j.id, 503, why))
                 continue
+            t = time.perf_counter()
             try:
                 pixels = j.pixels(p, self.shape, self.rt.uploads)
             except ImageError as e:  # (an upload left encoded: its problem, as the front's)
                 out.append(Failed(j.id, e.status, e.message, e.code))
                 continue
+            finally:
+                decoding += time.perf_counter() - t
             job = j.model_job(pixels)
             if job is None:  # a sync (or a ping): the version it reached
                 out.append(Synced(j.id, g.version))
@@ -182,8 +188,11 @@ class Server:
                     out.append(Failed(j.id, 500, f"{type(r).__name__}: {r}"))
                 else:
                     out.append(j.result(r, ctx))
-        waited = time.perf_counter() - batch[0][2]
-        return frame(Batch(len(model), waited, out), ctx.payload())
+        now = time.perf_counter()
+        waited = now - batch[0][2]
+        phases = {"decode": decoding, **self.rt.spent}  # (spent: the forward and the votes)
+        phases["other"] = max(0.0, now - t0 - sum(phases.values()))
+        return frame(Batch(len(model), waited, out, phases), ctx.payload())
 
 
 def read_settings(fd: int) -> dict | None:

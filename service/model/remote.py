@@ -69,7 +69,9 @@ PING_S = 1.0  # an idle model process is asked for its version this often (a pin
 class RemoteRuntime(Runtime):
     """The Runtime with the model in a process of its own."""
 
-    def __init__(self, settings: Settings, on_batch: Callable[[int, float], None] | None = None):
+    def __init__(
+        self, settings: Settings, on_batch: Callable[[int, float, dict], None] | None = None
+    ):
         """Start the model process and wait until it has opened the model and the index
         (ArtifactError with its reason if it cannot); the gallery loads meanwhile
         (`wait_ready`)."""
@@ -421,7 +423,7 @@ class RemoteRuntime(Runtime):
         the seconds per job it took feed the queue's bound)."""
         if self.on_batch is not None and batch.size:
             with contextlib.suppress(Exception):
-                self.on_batch(batch.size, batch.waited)
+                self.on_batch(batch.size, batch.waited, batch.phases)
         now = time.monotonic()
         sent = [t for r in batch.results if (t := self._sent.get(r.id)) is not None]
         if batch.size and sent:  # (its work began at the last answer, or when it was sent)

@@ -197,18 +197,22 @@ class ModelRuntime(Runtime):
 
     def __init__(self, settings: Settings, embedder: Embedder, on_batch=None, inline: bool = False):
         """Start the model thread and prepare the model there (optimise, fuse, warm up every
-        batch size); `on_batch(size, queue wait)` is called after each batch (metrics).
-        `inline`: no model thread; the caller's thread runs everything (the model process,
-        service/model_process.py, whose main thread runs the batches)."""
+        batch size); `on_batch(size, queue wait, seconds by phase)` is called after each batch
+        (metrics; the phases: `spent`). `inline`: no model thread; the caller's thread runs
+        everything (the model process, service/model_process.py, whose main thread runs the
+        batches)."""
         super().__init__()
         self.settings = settings
         self.embedder = embedder
         self.gallery: Gallery | None = None  # set by `serve` once the gallery is loaded
+        # the last batch's seconds by phase: the forward, the votes (and world checks)
+        self.spent: dict[str, float] = {}
         if inline:
             self.batcher = InlineCalls()
         else:
+            done = None if on_batch is None else lambda n, w: on_batch(n, w, self.spent)
             self.batcher = MicroBatcher(
-                self.run_batch, settings.max_batch, settings.max_wait_ms, on_batch
+                self.run_batch, settings.max_batch, settings.max_wait_ms, done
             )
         self.info: ModelInfo = self.batcher.call(self._prepare_model)
         self.batcher.max_batch = self.info.max_batch  # (InlineCalls: unused)
@@ -389,7 +393,9 @@ class ModelRuntime(Runtime):
         # Under load every call that releases the GIL waits for the event loop to give it
         # back, so the common batch (classify jobs with the same parameters) makes three such
         # calls: the queue's wake-up, the forward pass and the vote (docs/PERFORMANCE.md).
+        t0 = time.perf_counter()
         rows = self.embedder.forward(self.embedder.stack_pixels([j.pixels for j in jobs]))
+        t1 = time.perf_counter()
         emb, stats = self.embedder.split(rows)  # (B, d), (B, D) or None
         out: list = [None] * len(jobs)
         groups: dict[tuple, list[int]] = {}
@@ -416,6 +422,7 @@ class ModelRuntime(Runtime):
                 full = rows.numpy()
                 for i in idx:
                     out[i].row = full[i].copy()
+        self.spent = {"forward": t1 - t0, "vote": time.perf_counter() - t1}
         return out
 
     async def classify(self, p: Prepared, query: VoteQuery) -> Classification:

@@ -271,6 +271,7 @@ class Batch:
     size: int  # jobs that went through the model
     waited: float  # seconds the oldest job waited
     results: list  # one result record per job
+    phases: dict  # seconds the batch took by phase (Metrics.model_seconds)
 
 
 RECORDS = {

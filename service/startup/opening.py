@@ -190,10 +190,12 @@ def _open_front(settings: Settings, metrics: Metrics) -> Opening:
     )
 
 
-def _batch_metrics(metrics: Metrics) -> Callable[[int, float], None]:
-    def on_batch(size: int, waited: float) -> None:
+def _batch_metrics(metrics: Metrics) -> Callable[[int, float, dict], None]:
+    def on_batch(size: int, waited: float, phases: dict) -> None:
         metrics.batch_size.observe(size)
         metrics.queue_wait.observe(waited)
+        for phase, seconds in phases.items():
+            metrics.model_seconds.labels(phase).inc(seconds)
 
     return on_batch
 

@@ -47,6 +47,31 @@ def test_batch_trace_times_batches_forward_and_vote(base_run, tmp_path):
     assert "event loop" in r["threads"], r["threads"]
 
 
+def test_model_phases_reads_the_model_process_phases_and_times_the_vote_alone(base_run, tmp_path):
+    out = tmp_path / "phases.json"
+    p = tool(
+        "benchmarks/model_phases.py",
+        "--model",
+        str(base_run),
+        "--concurrency",
+        "2",
+        "--vote-calls",
+        "20",
+        *one_second(),
+        "--json",
+        str(out),
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(out.read_text())
+    (lv,) = r["levels"]
+    assert lv["errors"] == 0 and lv["rps"] > 0 and lv["mean_batch"] >= 1, lv
+    ph = lv["phases_us_per_request"]
+    assert ph["decode"] > 0 and ph["forward"] > 0 and ph["vote"] > 0, ph  # from /metrics
+    assert lv["model_process_cpu_us"] > 0 and lv["vote_us_per_batch"] > 0, lv
+    (alone,) = r["vote_alone"]
+    assert alone["alone_us"] > 0 and alone["busy_us"] > 0, alone
+
+
 def one_second() -> list[str]:
     """A one-second measurement on a free port."""
     return ["--seconds", "1", "--port", str(free_port())]

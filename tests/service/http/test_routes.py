@@ -1,6 +1,7 @@
 """Routes on a tiny real model and index, through FastAPI's TestClient (lifespan run)."""
 
 import json
+import re
 import struct
 import zlib
 
@@ -361,6 +362,10 @@ def test_metrics_and_openapi(client, fmnist_test):
         "snca_unknown_total",
     ):
         assert name in text, name
+    # the model thread's forward and votes, timed by phase (the model process adds its decode)
+    for phase in ("forward", "vote"):
+        m = re.search(rf'^snca_model_seconds_total\{{phase="{phase}"\}} (\S+)$', text, re.M)
+        assert m and float(m.group(1)) > 0, phase
     spec = client.get("/openapi.json").json()
     for path in (
         "/classify",

@@ -4,6 +4,7 @@ model_pid and killed for real."""
 
 import io
 import os
+import re
 import shutil
 import signal
 import threading
@@ -66,6 +67,12 @@ def until(what, timeout: float = 120.0, every: float = 0.1):
     raise AssertionError(f"not within {timeout} s")
 
 
+def model_seconds(metrics: str) -> dict[str, float]:
+    """snca_model_seconds_total by phase, from /metrics' text."""
+    found = re.findall(r'^snca_model_seconds_total\{phase="(\w+)"\} (\S+)$', metrics, re.M)
+    return {phase: float(v) for phase, v in found}
+
+
 def readyz(url: str) -> httpx.Response:
     return httpx.get(url + "/readyz", timeout=30)
 
@@ -98,6 +105,10 @@ def test_read_your_writes_through_the_model_process(base_run, tmp_path, fmnist_t
             assert not ids & got and seen >= v2
             got, _ = neighbour_ids(cb, shots[0], {H: str(v2)})
             assert not ids & got
+        # where the model process's time went reaches the front's /metrics, by phase
+        spent = model_seconds(ca.get("/metrics").text)
+        assert set(spent) == {"decode", "forward", "vote", "other"}, spent
+        assert spent["forward"] > 0 and spent["vote"] > 0 and spent["decode"] > 0, spent
     finally:
         a.kill(signal.SIGTERM)
         b.kill(signal.SIGTERM)

@@ -55,6 +55,7 @@ SAMPLES = [
             Synced(4, 12),
             Failed(5, 503, "x"),
         ],
+        {"decode": 0.0001, "forward": 0.001, "vote": 0.0005, "other": 0.0002},
     ),
 ]
 
@@ -80,7 +81,7 @@ def test_what_only_json_writes_reads_back():
     nan, inf = float("nan"), float("inf")
     a = ClassifyAnswer(1, "A", 0.5, [["A", nan]], -inf, None, 0, [], {}, None, 12)
     big = ClassifyAnswer(2, "A", 0.5, [], 0.5, None, 0, [], {}, None, 2**70)
-    stream = frame(a) + frame(Batch(1, 0.0, [a])) + frame(Batch(1, 0.0, [big]))
+    stream = frame(a) + frame(Batch(1, 0.0, [a], {})) + frame(Batch(1, 0.0, [big], {}))
     ((back, _), (batch, _), (batch_big, _)) = FrameReader().feed(stream)
     for b in (back, batch.results[0]):
         assert b.best_similarity == -inf and b.version == 12
