@@ -69,7 +69,7 @@ def test_model_phases_reads_the_model_process_phases_and_times_the_vote_alone(ba
     assert ph["decode"] > 0 and ph["forward"] > 0 and ph["vote"] > 0, ph  # from /metrics
     assert lv["model_process_cpu_us"] > 0 and lv["vote_us_per_batch"] > 0, lv
     (alone,) = r["vote_alone"]
-    assert alone["alone_us"] > 0 and alone["busy_us"] > 0, alone
+    assert alone["alone_us"] > 0 and alone["flushed_us"] > 0 and alone["busy_us"] > 0, alone
 
 
 def one_second() -> list[str]:
