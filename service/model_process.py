@@ -148,7 +148,6 @@ class Server:
         """One frame with the batch's results."""
         t0 = time.perf_counter()
         decoding = 0.0
-        self.rt.spent = {}
         g, st = self.state.gallery, self.state
         need = max(j.min_version for j, _, _ in batch)  # jobs: the front's version; syncs: seq
         caught_up = True
@@ -190,7 +189,8 @@ class Server:
                     out.append(j.result(r, ctx))
         now = time.perf_counter()
         waited = now - batch[0][2]
-        phases = {"decode": decoding, **self.rt.spent}  # (spent: the forward and the votes)
+        # (spent: the forward and the votes of run_batch, which ran only for model jobs)
+        phases = {"decode": decoding, **(self.rt.spent if model else {})}
         phases["other"] = max(0.0, now - t0 - sum(phases.values()))
         return frame(Batch(len(model), waited, out, phases), ctx.payload())
 

@@ -393,6 +393,7 @@ class ModelRuntime(Runtime):
         # Under load every call that releases the GIL waits for the event loop to give it
         # back, so the common batch (classify jobs with the same parameters) makes three such
         # calls: the queue's wake-up, the forward pass and the vote (docs/PERFORMANCE.md).
+        self.spent = {}  # (a batch that fails reports no phases of its own)
         t0 = time.perf_counter()
         rows = self.embedder.forward(self.embedder.stack_pixels([j.pixels for j in jobs]))
         t1 = time.perf_counter()

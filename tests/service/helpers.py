@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import socket
 import sqlite3
 import subprocess
@@ -111,6 +112,12 @@ def png(raw, i: int, fmt: str = "PNG") -> bytes:
 
 def of_class(raw, cls: int, n: int, start: int = 0) -> np.ndarray:
     return np.nonzero(raw.targets == cls)[0][start : start + n]
+
+
+def model_seconds(metrics: str) -> dict[str, float]:
+    """snca_model_seconds_total by phase, from /metrics' text."""
+    found = re.findall(r'^snca_model_seconds_total\{phase="(\w+)"\} (\S+)$', metrics, re.M)
+    return {phase: float(v) for phase, v in found}
 
 
 def label_counts(client: httpx.Client) -> dict[str, int]:

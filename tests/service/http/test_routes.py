@@ -1,7 +1,6 @@
 """Routes on a tiny real model and index, through FastAPI's TestClient (lifespan run)."""
 
 import json
-import re
 import struct
 import zlib
 
@@ -11,7 +10,7 @@ import pytest
 from service.config import Settings
 from service.http.schemas import BatchResult, ClassifyResult
 
-from ..helpers import img, make_client, of_class, png
+from ..helpers import img, make_client, model_seconds, of_class, png
 
 
 @pytest.fixture()
@@ -363,9 +362,8 @@ def test_metrics_and_openapi(client, fmnist_test):
     ):
         assert name in text, name
     # the model thread's forward and votes, timed by phase (the model process adds its decode)
-    for phase in ("forward", "vote"):
-        m = re.search(rf'^snca_model_seconds_total\{{phase="{phase}"\}} (\S+)$', text, re.M)
-        assert m and float(m.group(1)) > 0, phase
+    spent = model_seconds(text)
+    assert spent.get("forward", 0) > 0 and spent.get("vote", 0) > 0, spent
     spec = client.get("/openapi.json").json()
     for path in (
         "/classify",

@@ -4,7 +4,6 @@ model_pid and killed for real."""
 
 import io
 import os
-import re
 import shutil
 import signal
 import threading
@@ -15,7 +14,7 @@ import pytest
 from PIL import Image
 
 from service.model.engines import ENGINES
-from tests.service.helpers import Server, of_class, png
+from tests.service.helpers import Server, model_seconds, of_class, png
 from tests.service.hostile_images import corpus
 
 
@@ -65,12 +64,6 @@ def until(what, timeout: float = 120.0, every: float = 0.1):
             return got
         time.sleep(every)
     raise AssertionError(f"not within {timeout} s")
-
-
-def model_seconds(metrics: str) -> dict[str, float]:
-    """snca_model_seconds_total by phase, from /metrics' text."""
-    found = re.findall(r'^snca_model_seconds_total\{phase="(\w+)"\} (\S+)$', metrics, re.M)
-    return {phase: float(v) for phase, v in found}
 
 
 def readyz(url: str) -> httpx.Response:
